@@ -1,0 +1,69 @@
+"""Where checkpoints go: one module per kind of target behind one small, blocking interface.
+
+Sinks are deliberately synchronous: ``sync.py`` runs every call in its own worker thread, keeps
+the thread's future, and treats a path as "in flight" until that thread has really finished,
+even after a timeout gave up waiting for it. So a sink never has to be cancellation-safe, and two
+uploads of the same path can never overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ..config import Env, SyncSection
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """What a sink reads back about a stored file: the content's size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class SinkError(Exception):
+    """An upload or read-back failed. ``retryable`` is False only when retrying cannot help
+    until a person acts (bad token, no permission); the message says what to do."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Sink(Protocol):
+    #: Human-readable target, without secrets (``file:///backup/run1``, ``hf://org/repo``).
+    description: str
+
+    def prepare(self) -> None:
+        """Make the target exist (create the folder / the repo). Safe to repeat."""
+
+    def upload(self, local: Path, remote_path: str) -> None:
+        """Store ``local`` at ``remote_path`` (a relative POSIX path). Blocking."""
+
+    def stat(self, remote_path: str) -> RemoteFile | None:
+        """Read back the stored file's size and sha256; None when it is not there. Blocking."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def make_sink(sync: SyncSection, env: Env) -> Sink:
+    """Build the sink for ``sync.target``."""
+    if sync.scheme == "file":
+        from .local import LocalSink
+
+        return LocalSink(Path(sync.location))
+    if sync.scheme == "hf":
+        from .hf import HubSink
+
+        return HubSink(sync.location, env=env, private=sync.private)
+    raise ValueError(f"unsupported sync target scheme {sync.scheme!r}")

@@ -1,0 +1,49 @@
+"""A folder on this machine or a mounted volume (``file:///mnt/backup/run1``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path, PurePosixPath
+
+from . import RemoteFile, SinkError, sha256_file
+
+
+class LocalSink:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.description = f"file://{root}"
+
+    def _target(self, remote_path: str) -> Path:
+        rel = PurePosixPath(remote_path)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise SinkError(f"refusing remote path {remote_path!r}", retryable=False)
+        return self.root.joinpath(*rel.parts)
+
+    def prepare(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SinkError(f"cannot create {self.root}: {exc.strerror or exc}") from exc
+
+    def upload(self, local: Path, remote_path: str) -> None:
+        target = self._target(remote_path)
+        tmp = target.with_name(f".{target.name}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise SinkError(f"copy to {target} failed: {exc.strerror or exc}") from exc
+
+    def stat(self, remote_path: str) -> RemoteFile | None:
+        target = self._target(remote_path)
+        try:
+            size = target.stat().st_size
+            return RemoteFile(remote_path, size, sha256_file(target))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SinkError(f"cannot read back {target}: {exc.strerror or exc}") from exc
