@@ -71,7 +71,7 @@ def parse_duration(key: str, value: object) -> float:
 
 def format_duration(seconds: float) -> str:
     """``5400 -> "1h30m"``; used in messages and ``/status``."""
-    s = int(round(seconds))
+    s = round(seconds)
     parts = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= size:
@@ -146,6 +146,8 @@ class SyncSection:
     upload_timeout_s: float = 600.0
     #: Longest pause between retries of a failing upload (exponential backoff with jitter).
     max_backoff_s: float = 300.0
+    #: How long FINISHING waits for the final sync before verifying what made it, seconds.
+    finish_timeout_s: float = 1800.0
 
     @property
     def scheme(self) -> str:
@@ -176,8 +178,10 @@ class TeardownSection:
     provider: str = "none"
     #: What to do with the box when training completed: ``destroy``, ``stop`` or ``keep``.
     on_success: str = "destroy"
-    #: What to do after any other outcome.
+    #: What to do after any other outcome (the box holds checkpoints: keep its disk).
     on_failure: str = "stop"
+    #: What to do when preflight (or staging) failed: nothing was trained, the box is bad.
+    on_preflight_failure: str = "destroy"
     #: Never destroy or stop the box unless every checkpoint upload was verified.
     require_verified_sync: bool = True
 
@@ -380,9 +384,7 @@ def job_from_dict(
 
     unknown = sorted(set(doc) - set(_SECTIONS))
     if unknown:
-        raise ConfigError(
-            unknown[0], f"unknown section (expected one of: {', '.join(_SECTIONS)})"
-        )
+        raise ConfigError(unknown[0], f"unknown section (expected one of: {', '.join(_SECTIONS)})")
 
     t = _Table("job", doc.get("job", {}))
     name = t.str_("name", "run1")
@@ -431,7 +433,8 @@ def job_from_dict(
                 raise ConfigError("sync.target", f"{target!r} must be hf://org/repo")
         else:
             raise ConfigError(
-                "sync.target", f"{target!r} must start with file:/// or hf:// (got {parsed.scheme!r})"
+                "sync.target",
+                f"{target!r} must start with file:/// or hf:// (got {parsed.scheme!r})",
             )
         sync = SyncSection(
             target=target,
@@ -439,6 +442,7 @@ def job_from_dict(
             private=t.bool_("private", True),
             upload_timeout_s=t.duration("upload_timeout") or 600.0,
             max_backoff_s=t.duration("max_backoff") or 300.0,
+            finish_timeout_s=t.duration("finish_timeout") or 1800.0,
         )
         t.finish()
 
@@ -451,9 +455,7 @@ def job_from_dict(
     )
     t.finish()
     if limits.budget_usd is not None and limits.price_usd_per_hour is None:
-        raise ConfigError(
-            "limits.price_usd_per_hour", "is required when limits.budget_usd is set"
-        )
+        raise ConfigError("limits.price_usd_per_hour", "is required when limits.budget_usd is set")
 
     t = _Table("teardown", doc.get("teardown", {}))
     provider = t.str_("provider", "none") or "none"
@@ -472,6 +474,7 @@ def job_from_dict(
         provider=provider,
         on_success=t.choice("on_success", "destroy", _ACTIONS),
         on_failure=t.choice("on_failure", "stop", _ACTIONS),
+        on_preflight_failure=t.choice("on_preflight_failure", "destroy", _ACTIONS),
         require_verified_sync=t.bool_("require_verified_sync", True),
     )
     t.finish()
@@ -544,7 +547,9 @@ def _load_train(raw: object, dataset: DatasetSection | None) -> TrainSection:
         args.append(("data", str(dataset.dest / dataset.data_yaml)))
         section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
     epochs = section.get("epochs")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+    ):
         raise ConfigError("train.epochs", f"{_show(epochs)} must be an integer >= 1")
     return section
 

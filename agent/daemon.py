@@ -1,0 +1,610 @@
+"""The orchestrator: runs the phases, owns the long-lived tasks, handles signals and shutdown.
+
+BOOTING -> PREFLIGHT -> STAGING -> TRAINING -> FINISHING -> TEARDOWN -> DONE
+
+Signals only set events. SIGINT/SIGTERM to the agent stop the *agent*: the trainer is left
+running (unless ``job.stop_trainer_on_exit``) and a restarted agent re-attaches to it. Stopping
+the *job* is a different request (``libreyolo-agent stop`` / POST /stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Env, Job
+from .limits import check_limits, deadlines
+from .providers import TeardownResult, make_provider
+from .rundir import RunStatus, RunWatcher, find_run_dir, pid_alive, read_status
+from .server import StatusServer
+from .sinks import make_sink
+from .state import Phase, Reason, RunState, StateStore, atomic_write_json, transition
+from .sync import AGENT_FILES, SyncEngine
+from .trainer import Outcome, Trainer, TrainerError, build_argv, classify, read_result
+
+log = logging.getLogger("agent.daemon")
+
+#: A hook run in STAGING (the demo job makes its synthetic dataset there).
+StageHook = Callable[[], None]
+
+
+class AgentError(Exception):
+    """The agent cannot go on (state directory unusable, job/state mismatch...)."""
+
+
+@dataclass
+class Flags:
+    stop_job: asyncio.Event
+    shutdown: asyncio.Event
+    force: asyncio.Event
+
+
+class Daemon:
+    def __init__(
+        self,
+        job: Job,
+        env: Env,
+        *,
+        stage_hook: StageHook | None = None,
+        clock: Callable[[], float] = time.time,
+        poll_interval_s: float = 5.0,
+        on_ready: Callable[[Daemon], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.env = env
+        self.store = StateStore(env.state_dir)
+        self.stage_hook = stage_hook
+        self.clock = clock
+        self.poll_interval_s = poll_interval_s
+        self.on_ready = on_ready
+        self.state = RunState(job_name=job.job.name, job_source=job.source)
+        self.trainer: Trainer | None = None
+        self.run_dir: Path | None = None
+        self.status: RunStatus | None = None
+        self.sync: SyncEngine | None = None
+        self.server: StatusServer | None = None
+        self.preflight_report: dict[str, Any] | None = None
+        self.staging_report: dict[str, Any] | None = None
+        self.breach_message: str | None = None
+        self._last_progress_at = clock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.flags: Flags | None = None
+
+    # ------------------------------------------------------------------ entry
+
+    async def run(self, shutdown_trigger: asyncio.Event | None = None) -> int:
+        """Run the job to its end (or until the agent is asked to exit). Returns the exit code."""
+        self.flags = Flags(asyncio.Event(), shutdown_trigger or asyncio.Event(), asyncio.Event())
+        self._install_signal_handlers()
+        try:
+            self.store.ensure()
+        except OSError as exc:
+            raise AgentError(
+                f"cannot create the state directory {self.env.state_dir}: {exc.strerror or exc}; "
+                "set LIBREYOLO_AGENT_STATE_DIR to a writable folder"
+            ) from exc
+        file_handler = logging.FileHandler(self.store.path("agent.log"))
+        file_handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
+        logging.getLogger("agent").addHandler(file_handler)
+        try:
+            return await self._run()
+        finally:
+            logging.getLogger("agent").removeHandler(file_handler)
+            file_handler.close()
+            self._remove_signal_handlers()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.flags is not None
+        flags = self.flags
+
+        def on_signal(sig: signal.Signals) -> None:
+            # Only set events here; the run loop does the work. A second signal forces.
+            if flags.shutdown.is_set():
+                flags.force.set()
+            flags.shutdown.set()
+
+        # Signals can only be listened to from the main thread.
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal, sig)
+
+    def _remove_signal_handlers(self) -> None:
+        with contextlib.suppress(Exception):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
+        previous = self.store.load()
+        resume_at = self._adopt(previous)
+        if resume_at is None:
+            return 0
+        if self.job.sync is not None:
+            self.sync = SyncEngine(
+                make_sink(self.job.sync, self.env), self.job.sync, state_dir=self.env.state_dir
+            )
+            self._spawn(self.sync.run(), "sync")
+        await self._start_server()
+        self._save()
+        if self.on_ready:
+            self.on_ready(self)
+        try:
+            return await self._phases(resume_at)
+        finally:
+            await self._shutdown()
+
+    def _adopt(self, previous: RunState | None) -> Phase | None:
+        """Decide where to start from what a previous agent left. None: nothing to do."""
+        if previous is None:
+            return Phase.PREFLIGHT
+        if previous.job_name != self.job.job.name:
+            raise AgentError(
+                f"the state directory {self.env.state_dir} belongs to job "
+                f"{previous.job_name!r}, not {self.job.job.name!r}; use another "
+                "LIBREYOLO_AGENT_STATE_DIR or remove its state.json"
+            )
+        if previous.phase.terminal:
+            log.info(
+                "job %s already ended: phase=%s reason=%s; nothing to do "
+                "(remove %s to run it again)",
+                previous.job_name,
+                previous.phase.value,
+                previous.reason.value if previous.reason else None,
+                self.store.state_path,
+            )
+            self.state = previous
+            return None
+        # Carry over what must survive restarts: the job's clock, its history, its trainer.
+        self.state = previous
+        self.state.agent_pid = os.getpid()
+        self.state.phase = Phase.BOOTING
+        self.state.history.append(
+            {"at": self.clock(), "event": "agent restarted", "was": previous.phase.value}
+        )
+        if previous.phase in (Phase.TRAINING, Phase.FINISHING, Phase.TEARDOWN, Phase.HELD):
+            if previous.trainer and previous.trainer.run_dir:
+                self.run_dir = Path(previous.trainer.run_dir)
+            if previous.phase == Phase.TRAINING:
+                return Phase.TRAINING
+            if previous.phase == Phase.FINISHING:
+                return Phase.FINISHING
+            return Phase.TEARDOWN
+        return Phase.PREFLIGHT
+
+    # ------------------------------------------------------------------ phases
+
+    async def _phases(self, start: Phase) -> int:
+        assert self.flags is not None
+        if start == Phase.PREFLIGHT:
+            if self.job.preflight.enabled:
+                transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT
+                self._save()
+                if not await self._preflight():
+                    return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
+            if self.flags.shutdown.is_set():
+                return 0
+            transition(self.state, Phase.STAGING)  # PREFLIGHT -> STAGING
+            self._save()
+            if not await self._staging():
+                return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
+            if self.flags.shutdown.is_set():
+                return 0
+            start = Phase.TRAINING
+        if start == Phase.TRAINING:
+            transition(self.state, Phase.TRAINING)  # STAGING|BOOTING -> TRAINING
+            self._save()
+            reason = await self._training()
+            if reason is None:
+                return 0  # the agent was asked to exit; the trainer goes on
+            self.state.reason = reason
+            start = Phase.FINISHING
+        if start == Phase.FINISHING:
+            transition(self.state, Phase.FINISHING)  # TRAINING|BOOTING -> FINISHING
+            self._save()
+            await self._finishing()
+            if self.flags.shutdown.is_set() and not self.flags.force.is_set():
+                pass  # finishing completed its work; teardown is quick and safe to do now
+        assert self.state.reason is not None
+        return await self._teardown_phase(self.state.reason)
+
+    async def _preflight(self) -> bool:
+        from . import preflight
+
+        report = await preflight.run_preflight(self.job, self.env)
+        self.preflight_report = report.to_dict()
+        atomic_write_json(self.store.path("preflight.json"), self.preflight_report)
+        if report.ok:
+            log.info("preflight passed in %.1fs", report.wall_s)
+            return True
+        failed = ", ".join(f"{c.name} ({c.value})" for c in report.failures())
+        self.state.cause = f"preflight failed: {failed}"
+        log.error("preflight failed: %s", failed)
+        return False
+
+    async def _staging(self) -> bool:
+        try:
+            if self.job.dataset is not None:
+                from .dataset import StagingError, stage_dataset
+
+                try:
+                    result = await asyncio.to_thread(stage_dataset, self.job.dataset, self.env)
+                except StagingError as exc:
+                    self.state.cause = f"staging failed: {exc}"
+                    self.staging_report = {
+                        "ok": False,
+                        "error": str(exc),
+                        "findings": getattr(exc, "findings", []),
+                    }
+                    log.error("staging failed: %s", exc)
+                    return False
+                self.staging_report = {"ok": True, **_jsonable(result)}
+                for warning in result.warnings:
+                    log.warning("dataset: %s", warning)
+            if self.stage_hook is not None:
+                await asyncio.to_thread(self.stage_hook)
+                self.staging_report = self.staging_report or {"ok": True}
+            return True
+        finally:
+            if self.staging_report is not None:
+                atomic_write_json(self.store.path("staging.json"), self.staging_report)
+
+    async def _training(self) -> Reason | None:
+        """Launch (or re-attach to) the trainer, follow it, sync milestones, enforce limits.
+        Returns the reason the training ended, or None when the agent itself is exiting."""
+        assert self.flags is not None
+        flags = self.flags
+        launched_at = self.clock()
+        if self.state.trainer is not None:
+            self.trainer = Trainer.attach(self.state.trainer)
+            if self.trainer is None:
+                log.warning(
+                    "trainer pid=%d from the previous agent is gone", self.state.trainer.pid
+                )
+                return self._classify_and_reason(None, stop_reason=None)
+        else:
+            try:
+                argv = build_argv(self.job)
+                self.trainer = await Trainer.launch(
+                    argv,
+                    log_path=self.store.path("trainer.log"),
+                    result_path=self.store.path("trainer-result.json"),
+                    cwd=self.job.job.runs_dir,
+                )
+            except TrainerError as exc:
+                self.state.cause = str(exc)
+                log.error("%s", exc)
+                return Reason.TRAINING_FAILED
+            self.state.trainer = self.trainer.record
+            self._save()
+        trainer = self.trainer
+
+        changed = asyncio.Event()
+        watcher = RunWatcher(asyncio.get_running_loop(), changed)
+        watcher.watch(self.job.job.runs_dir)
+        if self.run_dir is not None:
+            watcher.watch(self.run_dir)
+        exit_task = asyncio.ensure_future(trainer.wait())
+        stop_reason: Reason | None = None
+        stop_task: asyncio.Future[str] | None = None
+        try:
+            while True:
+                self._follow(launched_at)
+                if exit_task.done():
+                    break
+                if stop_task is None:
+                    if flags.stop_job.is_set():
+                        stop_reason = Reason.STOPPED_BY_USER
+                    else:
+                        breach = check_limits(
+                            self.job.limits,
+                            now=self.clock(),
+                            job_started_at=self.state.started_at,
+                            last_progress_at=self._last_progress_at,
+                        )
+                        if breach is not None:
+                            stop_reason = breach.reason
+                            self.breach_message = breach.message
+                            log.warning("limit reached: %s", breach.message)
+                    if stop_reason is not None:
+                        stop_task = asyncio.ensure_future(self._stop_trainer())
+                if flags.shutdown.is_set() and stop_task is None:
+                    if not self.job.job.stop_trainer_on_exit:
+                        log.info(
+                            "agent exiting; trainer pid=%d keeps running (run the agent again "
+                            "to re-attach)",
+                            trainer.pid,
+                        )
+                        return None
+                    stop_reason = Reason.STOPPED_BY_USER
+                    stop_task = asyncio.ensure_future(self._stop_trainer())
+                waiters: set[asyncio.Future[Any]] = {
+                    exit_task,
+                    asyncio.ensure_future(changed.wait()),
+                    asyncio.ensure_future(flags.stop_job.wait()),
+                    asyncio.ensure_future(flags.shutdown.wait()),
+                }
+                try:
+                    await asyncio.wait(
+                        waiters, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    for w in waiters:
+                        if w is not exit_task and not w.done():
+                            w.cancel()
+                changed.clear()
+            if stop_task is not None:
+                await stop_task
+        finally:
+            watcher.stop()
+            if not exit_task.done():
+                exit_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exit_task
+        self._follow(launched_at)
+        return self._classify_and_reason(trainer.exit_code, stop_reason)
+
+    async def _stop_trainer(self) -> str:
+        assert self.trainer is not None
+        sent = await self.trainer.stop(
+            stop_grace_s=self.job.train.stop_grace_s, kill_grace_s=self.job.train.kill_grace_s
+        )
+        log.info("trainer stopped (%s)", sent)
+        return sent
+
+    def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
+        result = read_result(self.store.path("trainer-result.json"))
+        if self.run_dir is None and self.state.trainer is not None:
+            self.run_dir = _run_dir_from_result(result)
+        if self.run_dir is not None:
+            self.status = read_status(self.run_dir) or self.status
+        outcome: Outcome = classify(
+            exit_code, self.status, result, stop_requested=stop_reason is not None
+        )
+        self.state.outcome = outcome.to_dict()
+        log.info("trainer outcome: %s (%s)", outcome.kind, outcome.message)
+        if stop_reason is not None:
+            self.state.cause = self.breach_message or f"stop requested; trainer {outcome.kind}"
+            return stop_reason
+        if outcome.completed:
+            self.state.cause = outcome.message
+            return Reason.COMPLETED
+        self.state.cause = f"trainer {outcome.kind}: {outcome.message}"
+        return Reason.TRAINING_FAILED
+
+    def _follow(self, launched_at: float) -> None:
+        """Read the run dir (found by pid) and feed new epochs to the sync policy."""
+        if self.run_dir is None and self.trainer is not None:
+            self.run_dir = find_run_dir(
+                self.job.job.runs_dir, self.trainer.pids(), newer_than=launched_at - 5
+            )
+            if self.run_dir is not None:
+                log.info("run directory: %s", self.run_dir)
+                if self.state.trainer is not None:
+                    self.state.trainer.run_dir = str(self.run_dir)
+                self._save()
+        if self.run_dir is None:
+            return
+        status = read_status(self.run_dir)
+        if status is None:
+            return
+        previous = self.status
+        self.status = status
+        if previous is None or status.completed_epochs != previous.completed_epochs:
+            self._last_progress_at = self.clock()
+            if status.completed_epochs == 0:
+                log.info("training started (%s epochs)", status.total_epochs)
+                self._save()
+                return
+            log.info(
+                "epoch %d/%s done (eta %s)",
+                status.completed_epochs,
+                status.total_epochs,
+                f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
+            )
+            if self.sync is not None:
+                self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
+            self._save()
+
+    def _agent_files(self) -> list[Path]:
+        return [p for p in (self.store.path(n) for n in AGENT_FILES) if p.exists()]
+
+    async def _finishing(self) -> None:
+        """Final sync of everything, then verification of everything the ledger expects."""
+        if self.sync is None:
+            log.info("no [sync] target: nothing to upload")
+            return
+        if self.run_dir is not None:
+            self.status = read_status(self.run_dir) or self.status
+        self._save()
+        self.sync.final(self.run_dir, self.status, self._agent_files())
+        self.sync.retry_now()
+        drained = await self.sync.drain(self.job.sync.finish_timeout_s if self.job.sync else 0)
+        if not drained:
+            log.error(
+                "final sync did not finish within %.0fs",
+                self.job.sync.finish_timeout_s if self.job.sync else 0,
+            )
+        result = await self.sync.verify_all()
+        if result.sync_verified:
+            log.info(
+                "sync verified: %d file(s) match on %s", result.checked, self.sync.sink.description
+            )
+        else:
+            log.error(
+                "sync NOT verified: %d problem(s): %s",
+                len(result.missing),
+                "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
+            )
+        self._save()
+
+    async def _teardown_phase(self, reason: Reason) -> int:
+        transition(self.state, Phase.TEARDOWN, reason=reason)  # ... -> TEARDOWN
+        self._save()
+        action, why = self._teardown_action(reason)
+        provider = make_provider(self.job.teardown)
+        self.state.teardown = {
+            "provider": provider.name,
+            "action": action,
+            "why": why,
+            "started_at": self.clock(),
+        }
+        self._save()  # irreversible steps are recorded as started first
+        result: TeardownResult = await provider.teardown(action, reason.value)
+        self.state.teardown.update(result.to_dict())
+        self.state.teardown["finished_at"] = self.clock()
+        transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
+        self._save()
+        log.info(
+            "job %s done: reason=%s cause=%s", self.job.job.name, reason.value, self.state.cause
+        )
+        return 0
+
+    def _teardown_action(self, reason: Reason) -> tuple[str, str]:
+        td = self.job.teardown
+        if reason == Reason.PREFLIGHT_FAILED:
+            return td.on_preflight_failure, "preflight failed: nothing trained, nothing to save"
+        action = td.on_success if reason == Reason.COMPLETED else td.on_failure
+        why = f"teardown.on_{'success' if reason == Reason.COMPLETED else 'failure'} = {action}"
+        verified = bool(
+            self.sync and self.sync.verify_result and self.sync.verify_result.sync_verified
+        )
+        if action == "destroy" and td.require_verified_sync and not verified:
+            # Destroying the only copy of the checkpoints is the one mistake we cannot undo.
+            return "stop", (
+                "destroy downgraded to stop: checkpoints are not verified off the box "
+                "(teardown.require_verified_sync)"
+            )
+        return action, why
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _start_server(self) -> None:
+        token = self.store.token()
+        self.server = StatusServer(
+            self.job.server.host,
+            self.job.server.port,
+            token=token,
+            status=self.status_dict,
+            actions={"stop": self._request_stop},
+        )
+        try:
+            port = await self.server.start()
+        except OSError as exc:
+            raise AgentError(
+                f"cannot listen on {self.job.server.host}:{self.job.server.port}: "
+                f"{exc.strerror or exc}; set [server] listen to a free port"
+            ) from exc
+        self.state.server = {"host": self.job.server.host, "port": port}
+
+    async def _request_stop(self) -> dict[str, Any]:
+        assert self.flags is not None
+        self.flags.stop_job.set()
+        return {
+            "ok": True,
+            "phase": self.state.phase.value,
+            "message": "stop requested: the trainer gets SIGINT, then the final sync runs",
+        }
+
+    def request_stop(self) -> None:
+        """Ask the job to stop (what POST /stop does)."""
+        assert self.flags is not None
+        self.flags.stop_job.set()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s crashed: %r", task.get_name(), task.exception())
+
+    async def _shutdown(self) -> None:
+        # 1. Persist where we are, so a restarted agent carries on from here.
+        self._save()
+        # 2. Give in-flight uploads a short grace, then stop the sync queue.
+        if self.sync is not None:
+            if self.state.phase not in (Phase.DONE,) and not (
+                self.flags and self.flags.force.is_set()
+            ):
+                await self.sync.drain(5.0)
+            await self.sync.close()
+        # 3. Cancel the remaining long-lived tasks and say how many there were.
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if tasks:
+            log.info("cancelled %d task(s)", len(tasks))
+        # 4. The HTTP server goes last, so /status stays answerable as long as possible.
+        if self.server is not None:
+            await self.server.stop()
+
+    def _save(self) -> None:
+        self.store.save(self.state)
+
+    # ------------------------------------------------------------------ status
+
+    def status_dict(self) -> dict[str, Any]:
+        st = self.status
+        trainer = self.state.trainer
+        now = self.clock()
+        eta = st.eta_seconds if st and st.state == "running" else None
+        return {
+            "job": self.job.job.name,
+            "phase": self.state.phase.value,
+            "reason": self.state.reason.value if self.state.reason else None,
+            "cause": self.state.cause,
+            "epoch": st.completed_epochs if st else None,
+            "total_epochs": (st.total_epochs if st and st.total_epochs else self.job.train.epochs),
+            "eta_seconds": eta,
+            "eta_at": now + eta if eta is not None else None,
+            "training_state": st.state if st else None,
+            "best_epoch": st.best_epoch if st else None,
+            "best_metric": st.best_metric if st else None,
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "trainer": {
+                "pid": trainer.pid,
+                "alive": pid_alive(trainer.pid, trainer.create_time),
+                "started_at": trainer.started_at,
+            }
+            if trainer
+            else None,
+            "outcome": self.state.outcome,
+            "last_synced_epoch": self.sync.last_synced_epoch if self.sync else None,
+            "sync": self.sync.status() if self.sync else None,
+            "preflight": self.preflight_report,
+            "staging": self.staging_report,
+            "limits": deadlines(self.job.limits, job_started_at=self.state.started_at),
+            "teardown": self.state.teardown,
+            "started_at": self.state.started_at,
+            "updated_at": self.state.updated_at,
+            "agent_pid": self.state.agent_pid,
+        }
+
+
+def _run_dir_from_result(result: dict[str, Any] | None) -> Path | None:
+    if result and isinstance(result.get("save_dir"), str):
+        return Path(result["save_dir"])
+    return None
+
+
+def _jsonable(obj: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    data: dict[str, Any] = asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else {}
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in data.items()}

@@ -1,0 +1,59 @@
+"""Deadlines the agent enforces on the training phase: wall clock, stall, cost budget.
+
+Pure functions of the clock, so the tricky timing is tested in milliseconds. The clock starts at
+the agent's first boot for this job (persisted in state.json), so a restarted agent does not
+hand out a fresh allowance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import LimitsSection, format_duration
+from .state import Reason
+
+
+@dataclass(frozen=True)
+class Breach:
+    reason: Reason
+    message: str
+
+
+def check_limits(
+    cfg: LimitsSection, *, now: float, job_started_at: float, last_progress_at: float
+) -> Breach | None:
+    """The first limit that ``now`` breaks, or None."""
+    elapsed = now - job_started_at
+    if cfg.max_runtime_s is not None and elapsed >= cfg.max_runtime_s:
+        return Breach(
+            Reason.TIMEOUT,
+            f"max_runtime {format_duration(cfg.max_runtime_s)} reached after "
+            f"{format_duration(elapsed)}",
+        )
+    if cfg.budget_usd is not None and cfg.price_usd_per_hour is not None:
+        spent = cfg.price_usd_per_hour * elapsed / 3600.0
+        if spent >= cfg.budget_usd:
+            return Breach(
+                Reason.BUDGET,
+                f"budget ${cfg.budget_usd:.2f} reached (${spent:.2f} at "
+                f"${cfg.price_usd_per_hour:.4f}/h)",
+            )
+    if cfg.stall_timeout_s is not None and now - last_progress_at >= cfg.stall_timeout_s:
+        return Breach(
+            Reason.STALLED,
+            f"no progress in status.json for {format_duration(now - last_progress_at)} "
+            f"(stall_timeout {format_duration(cfg.stall_timeout_s)})",
+        )
+    return None
+
+
+def deadlines(cfg: LimitsSection, *, job_started_at: float) -> dict[str, float | None]:
+    """Absolute times (epoch seconds) at which each limit fires, for ``/status``."""
+    budget_at = None
+    if cfg.budget_usd is not None and cfg.price_usd_per_hour:
+        budget_at = job_started_at + cfg.budget_usd / cfg.price_usd_per_hour * 3600.0
+    return {
+        "max_runtime_at": job_started_at + cfg.max_runtime_s if cfg.max_runtime_s else None,
+        "budget_at": budget_at,
+        "stall_timeout_s": cfg.stall_timeout_s,
+    }

@@ -1,0 +1,45 @@
+"""Teardown providers: one module per provider behind one small interface.
+
+Only ``none`` exists in this version: it records the action it would take and why. Cloud
+providers (vast, runpod, lambda, command) have their own issue; the job file refuses them with a
+clear message instead of pretending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config import TeardownSection
+
+
+@dataclass(frozen=True)
+class TeardownResult:
+    #: destroy | stop | keep (what was asked), and whether it really happened.
+    action: str
+    performed: bool
+    confirmed: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "performed": self.performed,
+            "confirmed": self.confirmed,
+            "detail": self.detail,
+        }
+
+
+class Provider(Protocol):
+    name: str
+
+    async def teardown(self, action: str, reason: str) -> TeardownResult:
+        """Carry out ``action`` (destroy | stop | keep) and read back that it took effect."""
+
+
+def make_provider(cfg: TeardownSection) -> Provider:
+    if cfg.provider == "none":
+        from .none import NoneProvider
+
+        return NoneProvider()
+    raise ValueError(f"teardown provider {cfg.provider!r} is not built in this version")

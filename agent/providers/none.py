@@ -1,0 +1,18 @@
+"""The ``none`` provider: touches nothing, records what a real provider would have done."""
+
+from __future__ import annotations
+
+import logging
+
+from . import TeardownResult
+
+log = logging.getLogger("agent.providers.none")
+
+
+class NoneProvider:
+    name = "none"
+
+    async def teardown(self, action: str, reason: str) -> TeardownResult:
+        detail = f"provider 'none': would {action} this machine (reason {reason}); nothing was done"
+        log.info("teardown: %s", detail)
+        return TeardownResult(action=action, performed=False, confirmed=True, detail=detail)

@@ -1,0 +1,214 @@
+"""Reading LibreYOLO's run directory: ``status.json``, ``metrics.jsonl``, ``weights/``.
+
+Facts this rests on (LibreYOLO 1.6.0): status.json is replaced atomically at train start, at each
+epoch end, at train end and on an exception; checkpoints are written in place and *before* that
+epoch's status.json, so ``completed_epochs = N`` means epoch N's weights are complete. SIGTERM
+leaves ``state: running`` behind, so the state is never trusted without checking the pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+STATUS = "status.json"
+METRICS = "metrics.jsonl"
+SMALL_FILES = ("status.json", "metrics.jsonl", "summary.json", "results.csv", "train.log")
+_EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt$")
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """The parts of status.json the agent relies on, plus the raw document."""
+
+    state: str
+    pid: int | None
+    save_dir: str | None
+    completed_epochs: int
+    total_epochs: int | None
+    current_epoch: int | None
+    eta_seconds: float | None
+    best_epoch: int | None
+    best_metric: float | None
+    error_type: str | None
+    error_message: str | None
+    updated_at: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunStatus:
+        err = d.get("error") if isinstance(d.get("error"), dict) else None
+
+        def num(key: str) -> float | None:
+            v = d.get(key)
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        def integer(key: str) -> int | None:
+            v = d.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        return cls(
+            state=str(d.get("state", "unknown")),
+            pid=integer("pid"),
+            save_dir=d.get("save_dir") if isinstance(d.get("save_dir"), str) else None,
+            completed_epochs=integer("completed_epochs") or 0,
+            total_epochs=integer("total_epochs"),
+            current_epoch=integer("current_epoch"),
+            eta_seconds=num("eta_seconds"),
+            best_epoch=integer("best_epoch"),
+            best_metric=num("best_metric"),
+            error_type=str(err.get("type")) if err and err.get("type") else None,
+            error_message=str(err.get("message"))
+            if err and err.get("message") is not None
+            else None,
+            updated_at=d.get("updated_at") if isinstance(d.get("updated_at"), str) else None,
+            raw=d,
+        )
+
+
+def read_status(run_dir: Path) -> RunStatus | None:
+    """status.json of ``run_dir``; None when it is missing or unreadable (never raises)."""
+    try:
+        data = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return RunStatus.from_dict(data)
+
+
+def pid_alive(pid: int | None, create_time: float | None = None) -> bool:
+    """True when ``pid`` runs and, if given, was created at ``create_time`` (pids are reused)."""
+    if not pid:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - create_time) <= 0.01
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def effective_state(status: RunStatus, *, alive: bool) -> str:
+    """``running`` only when the trainer is really alive: a SIGTERM/SIGKILL leaves ``running``."""
+    if status.state == "running" and not alive:
+        return "dead"
+    return status.state
+
+
+def find_run_dir(runs_dir: Path, pids: set[int], *, newer_than: float = 0.0) -> Path | None:
+    """The run dir whose status.json names one of ``pids``: LibreYOLO may rename ``run1`` to
+    ``run12``, so the real directory is read from status.json, never assumed."""
+    try:
+        candidates = [p for p in runs_dir.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    best: tuple[float, Path] | None = None
+    for d in candidates:
+        try:
+            mtime = (d / STATUS).stat().st_mtime
+        except OSError:
+            continue
+        if mtime < newer_than:
+            continue
+        st = read_status(d)
+        if st is None or st.pid not in pids:
+            continue
+        real = Path(st.save_dir) if st.save_dir else d
+        if best is None or mtime > best[0]:
+            best = (mtime, real)
+    return best[1] if best else None
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows; a torn last line (written while we read) is skipped."""
+    rows: list[dict[str, Any]] = []
+    try:
+        text = (run_dir / METRICS).read_text(encoding="utf-8")
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def epoch_snapshots(run_dir: Path) -> dict[int, Path]:
+    """``weights/epoch_N.pt`` files by N (LibreYOLO's ``save_period``)."""
+    out: dict[int, Path] = {}
+    try:
+        for p in (run_dir / "weights").iterdir():
+            m = _EPOCH_FILE.fullmatch(p.name)
+            if m:
+                out[int(m.group(1))] = p
+    except OSError:
+        pass
+    return out
+
+
+def is_valid_checkpoint(path: Path) -> bool:
+    """A ``.pt`` is a zip archive: a torn or truncated copy fails this without importing torch."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+class RunWatcher:
+    """inotify (watchdog) on the runs directory, turned into an ``asyncio.Event``: the agent
+    reacts to status.json and weights/ changes when they happen, not on a polling tick."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> None:
+        from watchdog.observers import Observer
+
+        self._loop = loop
+        self._changed = changed
+        self._observer = Observer()
+        self._observer.daemon = True
+        self._watched: set[Path] = set()
+        self._started = False
+
+    def watch(self, path: Path) -> None:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+
+        if path in self._watched:
+            return
+        loop, changed = self._loop, self._changed
+
+        class _Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                # Called from the observer thread: hand over to the loop thread-safely.
+                with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                    loop.call_soon_threadsafe(changed.set)
+
+        path.mkdir(parents=True, exist_ok=True)
+        self._observer.schedule(_Handler(), str(path), recursive=True)
+        self._watched.add(path)
+        if not self._started:
+            self._observer.start()
+            self._started = True
+
+    def stop(self) -> None:
+        if self._started:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+            self._started = False

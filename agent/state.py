@@ -1,0 +1,224 @@
+"""The run lifecycle: ``Phase``, ``Reason``, the one transition function, the persisted state file.
+
+The state file is what makes the agent restartable: a new agent process reads it, finds the trainer
+(pid AND create time) and carries on. It is written atomically (temp file, fsync, rename) on every
+change, so a crash or a power cut leaves either the old or the new version, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("agent.state")
+
+
+class Phase(str, Enum):
+    BOOTING = "BOOTING"  #: the agent started; reading the job and any previous state
+    PREFLIGHT = "PREFLIGHT"  #: proving the machine can train (GPU, disk, shm, token)
+    STAGING = "STAGING"  #: downloading and unpacking the dataset
+    TRAINING = "TRAINING"  #: the trainer runs; checkpoints are synced at milestones
+    FINISHING = "FINISHING"  #: final sync of everything and its verification
+    TEARDOWN = "TEARDOWN"  #: the provider call that stops paying, and its read-back
+    DONE = "DONE"  #: the job ended as planned (whatever the training outcome)
+    HELD = "HELD"  #: teardown held by a person; the box stays up until released
+    FAILED = "FAILED"  #: the agent itself failed; a person must look
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.DONE, Phase.FAILED)
+
+
+class Reason(str, Enum):
+    COMPLETED = "completed"  #: training finished all its epochs
+    TRAINING_FAILED = "training_failed"  #: the trainer exited with an error or was killed
+    PREFLIGHT_FAILED = "preflight_failed"  #: the box or the inputs (dataset) cannot train
+    STALLED = "stalled"  #: no progress for limits.stall_timeout
+    TIMEOUT = "timeout"  #: limits.max_runtime reached
+    BUDGET = "budget"  #: limits.budget_usd reached
+    PREEMPTED = "preempted"  #: the provider announced the box is going away
+    STOPPED_BY_USER = "stopped_by_user"  #: ``libreyolo-agent stop`` / POST /stop
+
+
+#: Allowed source phases for each target phase (supervisor's ``_assertInState``).
+ALLOWED: dict[Phase, frozenset[Phase]] = {
+    Phase.BOOTING: frozenset(),
+    Phase.PREFLIGHT: frozenset({Phase.BOOTING}),
+    # BOOTING -> STAGING when preflight is disabled; a re-attach goes BOOTING -> TRAINING.
+    Phase.STAGING: frozenset({Phase.BOOTING, Phase.PREFLIGHT}),
+    Phase.TRAINING: frozenset({Phase.BOOTING, Phase.STAGING}),
+    Phase.FINISHING: frozenset({Phase.BOOTING, Phase.TRAINING}),
+    # Preflight or staging failures have nothing to sync: straight to teardown.
+    Phase.TEARDOWN: frozenset(
+        {Phase.BOOTING, Phase.PREFLIGHT, Phase.STAGING, Phase.FINISHING, Phase.HELD}
+    ),
+    Phase.HELD: frozenset({Phase.TEARDOWN}),
+    Phase.DONE: frozenset({Phase.TEARDOWN, Phase.HELD}),
+    Phase.FAILED: frozenset(
+        {
+            Phase.BOOTING,
+            Phase.PREFLIGHT,
+            Phase.STAGING,
+            Phase.TRAINING,
+            Phase.FINISHING,
+            Phase.TEARDOWN,
+            Phase.HELD,
+        }
+    ),
+}
+
+
+class TransitionError(Exception):
+    """An illegal phase change was asked for: a bug, never a user mistake."""
+
+
+@dataclass
+class TrainerRecord:
+    """How to find the trainer again: pid and create time (pids are reused)."""
+
+    pid: int
+    create_time: float
+    started_at: float
+    argv: list[str]
+    run_dir: str | None = None
+
+
+@dataclass
+class RunState:
+    """Everything the agent persists. Plain JSON; secrets never go in here."""
+
+    job_name: str
+    job_source: str
+    phase: Phase = Phase.BOOTING
+    reason: Reason | None = None
+    #: One line on why the run ended that way (an error message, an exit classification).
+    cause: str | None = None
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    agent_pid: int = field(default_factory=os.getpid)
+    trainer: TrainerRecord | None = None
+    #: Trainer exit classification: kind, exit code, message.
+    outcome: dict[str, Any] | None = None
+    #: Where the HTTP server really listens (port 0 is resolved here).
+    server: dict[str, Any] | None = None
+    teardown: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["phase"] = self.phase.value
+        d["reason"] = self.reason.value if self.reason else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunState:
+        trainer = d.get("trainer")
+        return cls(
+            job_name=str(d["job_name"]),
+            job_source=str(d.get("job_source", "")),
+            phase=Phase(d["phase"]),
+            reason=Reason(d["reason"]) if d.get("reason") else None,
+            cause=d.get("cause"),
+            started_at=float(d.get("started_at", 0.0)),
+            updated_at=float(d.get("updated_at", 0.0)),
+            agent_pid=int(d.get("agent_pid", 0)),
+            trainer=TrainerRecord(**trainer) if trainer else None,
+            outcome=d.get("outcome"),
+            server=d.get("server"),
+            teardown=d.get("teardown"),
+            history=list(d.get("history", [])),
+        )
+
+
+def transition(
+    state: RunState, target: Phase, *, reason: Reason | None = None, note: str = ""
+) -> None:
+    """The only way a phase changes: checks the source phase, records and logs the change."""
+    source = state.phase
+    if source not in ALLOWED[target]:
+        raise TransitionError(f"illegal phase change {source.value} -> {target.value}")
+    if reason is not None:
+        state.reason = reason
+    state.phase = target
+    now = time.time()
+    state.updated_at = now
+    entry: dict[str, Any] = {"at": now, "from": source.value, "to": target.value}
+    if reason is not None:
+        entry["reason"] = reason.value
+    if note:
+        entry["note"] = note
+    state.history.append(entry)
+    extra = f" reason={reason.value}" if reason else ""
+    log.info("phase %s -> %s%s%s", source.value, target.value, extra, f" ({note})" if note else "")
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` so readers see the old or the new file, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any, *, mode: int = 0o644) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode)
+
+
+class StateStore:
+    """The state directory: ``state.json``, the sync ledger, reports, ``agent.log``, ``token``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "state.json"
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def ensure(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def load(self) -> RunState | None:
+        try:
+            data = json.loads(self.state_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        return RunState.from_dict(data)
+
+    def save(self, state: RunState) -> None:
+        state.updated_at = time.time()
+        atomic_write_json(self.state_path, state.to_dict())
+
+    def token(self) -> str:
+        """The control token (created once, mode 0600); POST endpoints require it."""
+        import secrets
+
+        p = self.path("token")
+        try:
+            existing = p.read_text(encoding="utf-8").strip()
+            if existing:
+                return existing
+        except FileNotFoundError:
+            pass
+        value = secrets.token_urlsafe(32)
+        atomic_write_text(p, value + "\n", mode=0o600)
+        return value

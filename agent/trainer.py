@@ -1,0 +1,372 @@
+"""Launch, attach to, wait for and stop the training process tree; classify how it ended.
+
+The trainer runs in its own session with its output in files, so it outlives the agent, SSH and
+any terminal. It is identified by pid AND create time. Stopping walks the whole tree with psutil:
+LibreYOLO's multi-GPU coordinator starts its ranks in a session of their own, so a process-group
+kill alone would leave ranks holding GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .config import Job, TrainValue
+from .rundir import RunStatus, pid_alive
+from .state import TrainerRecord
+
+log = logging.getLogger("agent.trainer")
+
+#: LibreYOLO CLI exit codes (1.6.0).
+EXIT_KINDS = {0: "completed", 1: "runtime", 2: "config", 3: "data", 4: "model", 130: "interrupted"}
+
+
+class TrainerError(Exception):
+    """The trainer could not be started (missing executable, unwritable log...)."""
+
+
+def libreyolo_executable() -> str:
+    """The ``libreyolo`` next to this Python (the venv), else the one on PATH."""
+    beside = Path(sys.executable).with_name("libreyolo")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("libreyolo")
+    if found:
+        return found
+    raise TrainerError(
+        "the `libreyolo` command was not found next to this Python or on PATH; "
+        "install the training stack (./install.sh, or pip install libreyolo)"
+    )
+
+
+def _fmt(value: TrainValue) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def uses_python_api(job: Job) -> bool:
+    """LibreYOLO 1.6.0's CLI rejects device lists (``device=0,1``); those go through the Python
+    API, whose coordinator spawns one rank per GPU."""
+    device = job.train.get("device")
+    return isinstance(device, str) and "," in device
+
+
+def build_argv(job: Job, *, python: str = sys.executable) -> list[str]:
+    """The command line that starts this job's training."""
+    args = [f"{k}={_fmt(v)}" for k, v in job.train.args]
+    fixed = [f"project={job.job.runs_dir}", f"name={job.job.name}"]
+    if uses_python_api(job):
+        return [python, "-m", "agent.train_entry", *args, *fixed]
+    return [libreyolo_executable(), "train", *args, *fixed, "json=true"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the trainer ended. ``kind`` is one of: completed, interrupted, oom, runtime, config,
+    data, model, killed, lost."""
+
+    kind: str
+    exit_code: int | None
+    message: str
+
+    @property
+    def completed(self) -> bool:
+        return self.kind == "completed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "exit_code": self.exit_code, "message": self.message}
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """The one JSON object ``json=true`` prints on stdout (the last JSON line, to be safe)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                return doc
+    return None
+
+
+def _is_oom(*texts: str | None) -> bool:
+    joined = " ".join(t for t in texts if t).lower()
+    return "out of memory" in joined or "outofmemoryerror" in joined
+
+
+def classify(
+    exit_code: int | None,
+    status: RunStatus | None,
+    result: dict[str, Any] | None,
+    *,
+    stop_requested: bool = False,
+) -> Outcome:
+    """Classify an exit with LibreYOLO's exit codes, status.json ``error`` and the json result.
+
+    ``exit_code`` is None when the agent re-attached and is not the trainer's parent; negative
+    when a signal killed it (asyncio's convention).
+    """
+    err_type = status.error_type if status else None
+    err_msg = status.error_message if status else None
+    res_err = str(result.get("error")) if result and result.get("error") else None
+    res_msg = str(result.get("message")) if result and result.get("message") else None
+    message = res_msg or (f"{err_type}: {err_msg}" if err_type else "") or ""
+
+    if exit_code is None:
+        # Not our child: status.json is all there is.
+        if status is None:
+            return Outcome("lost", None, "trainer exited and left no status.json")
+        if status.state == "completed":
+            return Outcome("completed", None, "status.json says completed")
+        if err_type == "KeyboardInterrupt":
+            return Outcome("interrupted", None, "stopped with SIGINT")
+        if status.state == "failed":
+            kind = "oom" if _is_oom(err_type, err_msg) else "runtime"
+            return Outcome(kind, None, f"{err_type}: {err_msg}")
+        return Outcome(
+            "killed",
+            None,
+            f"trainer died without a word at epoch {status.completed_epochs}"
+            " (status.json still says running: killed by a signal or the OOM killer?)",
+        )
+
+    if exit_code == 0:
+        if status is not None and status.state == "failed":
+            return Outcome("runtime", 0, message or "status.json says failed")
+        return Outcome("completed", 0, "training completed")
+    if exit_code < 0:
+        sig = -exit_code
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if stop_requested:
+            return Outcome("killed", exit_code, f"killed by {name} after a stop request")
+        hint = " (the kernel OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
+        return Outcome("killed", exit_code, f"killed by {name}{hint}")
+    if exit_code == 130 or err_type == "KeyboardInterrupt":
+        return Outcome("interrupted", exit_code, "stopped with SIGINT")
+    if exit_code == 1 and _is_oom(err_type, err_msg, res_err, res_msg):
+        return Outcome("oom", 1, message or "CUDA out of memory")
+    kind = EXIT_KINDS.get(exit_code, "runtime")
+    suggestion = str(result.get("suggestion")) if result and result.get("suggestion") else ""
+    text = message or f"exit code {exit_code}"
+    if suggestion:
+        text = f"{text} -- {suggestion}"
+    return Outcome(kind, exit_code, text)
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants (across sessions: psutil follows parent pids)."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return [root]
+
+
+def _signal_all(procs: dict[tuple[int, float], psutil.Process], sig: int) -> int:
+    sent = 0
+    for proc in procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            proc.send_signal(sig)
+            sent += 1
+    return sent
+
+
+class Trainer:
+    """One training process: launched by us (a child) or re-attached (someone else's child)."""
+
+    def __init__(self, record: TrainerRecord, proc: asyncio.subprocess.Process | None) -> None:
+        self.record = record
+        self._proc = proc
+        self.exit_code: int | None = None
+        self._exited = asyncio.Event()
+        self.stop_requested = False
+
+    @classmethod
+    async def launch(
+        cls, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path
+    ) -> Trainer:
+        """Start ``argv`` detached: own session, stdout (the json result) and stderr in files."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        # The agent package must be importable by agent.train_entry (multi-GPU launches).
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            with open(log_path, "ab") as logf, open(result_path, "wb") as resf:
+                logf.write(
+                    f"\n=== libreyolo-agent launch {time.strftime('%Y-%m-%dT%H:%M:%S')}: "
+                    f"{' '.join(argv)}\n".encode()
+                )
+                logf.flush()
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=resf,
+                    stderr=logf,
+                    cwd=str(cwd),
+                    env=env,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise TrainerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
+        create_time = psutil.Process(proc.pid).create_time()
+        record = TrainerRecord(
+            pid=proc.pid, create_time=create_time, started_at=time.time(), argv=list(argv)
+        )
+        log.info("trainer started pid=%d", proc.pid)
+        return cls(record, proc)
+
+    @classmethod
+    def attach(cls, record: TrainerRecord) -> Trainer | None:
+        """Re-attach to a trainer from a previous agent; None when it is gone (or pid reused)."""
+        if not pid_alive(record.pid, record.create_time):
+            return None
+        log.info("re-attached to trainer pid=%d", record.pid)
+        return cls(record, None)
+
+    @property
+    def pid(self) -> int:
+        return self.record.pid
+
+    @property
+    def is_child(self) -> bool:
+        return self._proc is not None
+
+    def alive(self) -> bool:
+        if self._exited.is_set():
+            return False
+        if self._proc is not None:
+            return self._proc.returncode is None
+        return pid_alive(self.record.pid, self.record.create_time)
+
+    def pids(self) -> set[int]:
+        """The pids of the live tree (status.json's pid may be a rank's, not ours)."""
+        return {p.pid for p in process_tree(self.pid)} | {self.pid}
+
+    async def wait(self) -> int | None:
+        """Wait for the trainer to exit; its exit code, or None for a re-attached trainer."""
+        if self._exited.is_set():
+            return self.exit_code
+        if self._proc is not None:
+            self.exit_code = await self._proc.wait()
+        else:
+            await self._wait_foreign()
+        self._exited.set()
+        log.info("trainer pid=%d exited code=%s", self.pid, self.exit_code)
+        return self.exit_code
+
+    async def _wait_foreign(self) -> None:
+        # A pidfd becomes readable when the process exits: an event, not a polling loop.
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):
+            # No pidfd (old kernel, or the pid is already gone): a slow poll is the fallback.
+            while pid_alive(self.record.pid, self.record.create_time):  # noqa: ASYNC110
+                await asyncio.sleep(1.0)
+            return
+        if not pid_alive(self.record.pid, self.record.create_time):
+            os.close(fd)
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_exit() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        try:
+            await done
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    async def stop(self, *, stop_grace_s: float, kill_grace_s: float) -> str:
+        """SIGINT (LibreYOLO's clean stop), then SIGTERM, then SIGKILL to the whole tree, each
+        after a grace period. Returns the last signal that was needed."""
+        self.stop_requested = True
+        tree: dict[tuple[int, float], psutil.Process] = {}
+
+        def refresh() -> None:
+            for p in process_tree(self.pid):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    tree.setdefault((p.pid, p.create_time()), p)
+
+        refresh()
+        if not self.alive():
+            return "none"
+        log.info("stopping trainer pid=%d: SIGINT, grace %.0fs", self.pid, stop_grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGINT)
+        if await self._exit_within(stop_grace_s, refresh):
+            await self._reap_tree(tree, kill_grace_s)
+            return "SIGINT"
+        refresh()
+        log.warning("trainer pid=%d ignored SIGINT; SIGTERM to %d processes", self.pid, len(tree))
+        _signal_all(tree, signal.SIGTERM)
+        if await self._exit_within(kill_grace_s, refresh):
+            await self._reap_tree(tree, kill_grace_s)
+            return "SIGTERM"
+        refresh()
+        log.warning("trainer pid=%d survived SIGTERM; SIGKILL to %d processes", self.pid, len(tree))
+        _signal_all(tree, signal.SIGKILL)
+        await self._exit_within(kill_grace_s, refresh)
+        await self._reap_tree(tree, kill_grace_s)
+        return "SIGKILL"
+
+    async def _exit_within(self, seconds: float, refresh: Any) -> bool:
+        waiter = asyncio.ensure_future(self.wait())
+        deadline = time.monotonic() + seconds
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                # Short slices so ranks spawned during the grace period join the tree.
+                done, _ = await asyncio.wait({waiter}, timeout=min(remaining, 0.5))
+                if done:
+                    return True
+                refresh()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+
+    async def _reap_tree(self, tree: dict[tuple[int, float], psutil.Process], grace: float) -> None:
+        """The main process is gone; make sure none of its descendants (DDP ranks, DataLoader
+        workers) outlive it holding a GPU."""
+        left = [p for p in tree.values() if p.is_running() and p.pid != self.pid]
+        if not left:
+            return
+        _, alive = await asyncio.to_thread(psutil.wait_procs, left, timeout=min(grace, 5.0))
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                log.warning("killing leftover trainer process pid=%d", p.pid)
+                p.kill()
+        if alive:
+            await asyncio.to_thread(psutil.wait_procs, alive, timeout=grace)
