@@ -95,11 +95,15 @@ class Daemon:
         file_handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         )
-        logging.getLogger("agent").addHandler(file_handler)
+        agent_log = logging.getLogger("agent")
+        agent_log.addHandler(file_handler)
+        # agent.log is the record a person reads after the fact: always at INFO.
+        if agent_log.getEffectiveLevel() > logging.INFO:
+            agent_log.setLevel(logging.INFO)
         try:
             return await self._run()
         finally:
-            logging.getLogger("agent").removeHandler(file_handler)
+            agent_log.removeHandler(file_handler)
             file_handler.close()
             self._remove_signal_handlers()
 

@@ -209,6 +209,8 @@ class RunWatcher:
 
     def stop(self) -> None:
         if self._started:
+            # Unschedule first: stopping with live watches logs spurious emitter errors.
+            self._observer.unschedule_all()
             self._observer.stop()
             self._observer.join(timeout=5)
             self._started = False

@@ -196,18 +196,23 @@ def _signal_all(procs: dict[tuple[int, float], psutil.Process], sig: int) -> int
 class Trainer:
     """One training process: launched by us (a child) or re-attached (someone else's child)."""
 
-    def __init__(self, record: TrainerRecord, proc: asyncio.subprocess.Process | None) -> None:
+    def __init__(self, record: TrainerRecord, *, is_child: bool) -> None:
         self.record = record
-        self._proc = proc
+        self.is_child = is_child
         self.exit_code: int | None = None
         self._exited = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self.stop_requested = False
 
     @classmethod
     async def launch(
         cls, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path
     ) -> Trainer:
-        """Start ``argv`` detached: own session, stdout (the json result) and stderr in files."""
+        """Start ``argv`` detached: own session, stdout (the json result) and stderr in files.
+
+        ``posix_spawn`` rather than asyncio's subprocess: an asyncio subprocess transport kills
+        its child when it is closed or garbage-collected, and the trainer must outlive the agent.
+        """
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cwd.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
@@ -215,30 +220,36 @@ class Trainer:
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         try:
-            with open(log_path, "ab") as logf, open(result_path, "wb") as resf:
-                logf.write(
-                    f"\n=== libreyolo-agent launch {time.strftime('%Y-%m-%dT%H:%M:%S')}: "
-                    f"{' '.join(argv)}\n".encode()
-                )
-                logf.flush()
-                proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=resf,
-                    stderr=logf,
-                    cwd=str(cwd),
-                    env=env,
-                    start_new_session=True,
-                )
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise TrainerError(f"cannot open {exc.filename}: {exc.strerror}") from exc
+        try:
+            os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {' '.join(argv)}\n".encode())
+            # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.
+            shell = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', str(cwd), *argv]
+            pid = os.posix_spawn(
+                shell[0],
+                shell,
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, res_fd, 1),
+                    (os.POSIX_SPAWN_DUP2, log_fd, 2),
+                ],
+                setsid=True,
+            )
         except OSError as exc:
             raise TrainerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
-        create_time = psutil.Process(proc.pid).create_time()
-        record = TrainerRecord(
-            pid=proc.pid, create_time=create_time, started_at=time.time(), argv=list(argv)
-        )
-        log.info("trainer started pid=%d", proc.pid)
-        return cls(record, proc)
+        finally:
+            os.close(log_fd)
+            os.close(res_fd)
+        create_time = psutil.Process(pid).create_time()
+        record = TrainerRecord(pid=pid, create_time=create_time, started_at=time.time(), argv=argv)
+        log.info("trainer started pid=%d", pid)
+        return cls(record, is_child=True)
 
     @classmethod
     def attach(cls, record: TrainerRecord) -> Trainer | None:
@@ -246,21 +257,15 @@ class Trainer:
         if not pid_alive(record.pid, record.create_time):
             return None
         log.info("re-attached to trainer pid=%d", record.pid)
-        return cls(record, None)
+        return cls(record, is_child=False)
 
     @property
     def pid(self) -> int:
         return self.record.pid
 
-    @property
-    def is_child(self) -> bool:
-        return self._proc is not None
-
     def alive(self) -> bool:
         if self._exited.is_set():
             return False
-        if self._proc is not None:
-            return self._proc.returncode is None
         return pid_alive(self.record.pid, self.record.create_time)
 
     def pids(self) -> set[int]:
@@ -269,17 +274,28 @@ class Trainer:
 
     async def wait(self) -> int | None:
         """Wait for the trainer to exit; its exit code, or None for a re-attached trainer."""
-        if self._exited.is_set():
-            return self.exit_code
-        if self._proc is not None:
-            self.exit_code = await self._proc.wait()
-        else:
-            await self._wait_foreign()
-        self._exited.set()
-        log.info("trainer pid=%d exited code=%s", self.pid, self.exit_code)
+        # One waiter however many callers: a second waitpid() would lose the exit code.
+        if self._waiter is None:
+            self._waiter = asyncio.ensure_future(self._wait_once())
+        await asyncio.shield(self._waiter)
         return self.exit_code
 
-    async def _wait_foreign(self) -> None:
+    async def _wait_once(self) -> None:
+        await self._wait_exit()
+        if self.is_child:
+            self.exit_code = self._reap()
+        self._exited.set()
+        log.info("trainer pid=%d exited code=%s", self.pid, self.exit_code)
+
+    def _reap(self) -> int | None:
+        """Collect our child's exit status (negative: killed by that signal)."""
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            return None
+        return os.waitstatus_to_exitcode(status)
+
+    async def _wait_exit(self) -> None:
         # A pidfd becomes readable when the process exits: an event, not a polling loop.
         try:
             fd = os.pidfd_open(self.pid)

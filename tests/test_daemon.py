@@ -1,0 +1,323 @@
+"""The daemon end to end on the real ``libreyolo train`` (tiny synthetic data, CPU).
+
+Each test trains a real ``yolox-n`` from scratch for a few 64x64 epochs: a few seconds each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+
+from agent import demo
+from agent.config import Env, Job, parse_job
+from agent.daemon import Daemon
+from agent.state import Phase, StateStore
+
+pytestmark = pytest.mark.training
+
+requires_libreyolo = pytest.mark.skipif(
+    shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None
+    and shutil.which("libreyolo") is None,
+    reason="the training stack (libreyolo) is not installed: run ./install.sh",
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo.make_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+def make_job(tmp: Path, data: Path, *, epochs: int = 3, extra: str = "", sync: bool = True) -> Job:
+    text = f"""
+[job]
+name = "run1"
+runs_dir = "{tmp / "runs"}"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "{data}"
+epochs = {epochs}
+imgsz = 64
+batch = 4
+workers = 0
+device = "cpu"
+stop_grace = "30s"
+kill_grace = "5s"
+{extra}
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:0"
+"""
+    if sync:
+        text += f'[sync]\ntarget = "file://{tmp / "synced"}"\n'
+    return parse_job(text, source="test", base_dir=tmp)
+
+
+def env_for(tmp: Path) -> Env:
+    return Env(state_dir=tmp / "state")
+
+
+class Probe:
+    """Runs beside the daemon in its loop: records phases and /status answers."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.statuses: list[dict[str, Any]] = []
+        self.base: str | None = None
+
+    def ready(self, daemon: Daemon) -> None:
+        assert daemon.state.server is not None
+        self.base = f"http://127.0.0.1:{daemon.state.server['port']}"
+
+
+async def run_daemon(
+    job: Job,
+    env: Env,
+    during: Callable[[Daemon, Probe, aiohttp.ClientSession], Awaitable[None]] | None = None,
+    shutdown: asyncio.Event | None = None,
+) -> tuple[int, Daemon, Probe]:
+    probe = Probe()
+    daemon = Daemon(job, env, on_ready=probe.ready, poll_interval_s=0.5)
+    main = asyncio.create_task(daemon.run(shutdown_trigger=shutdown))
+
+    async def watch_phases() -> None:
+        while not main.done():
+            phase = daemon.state.phase.value
+            if not probe.phases or probe.phases[-1] != phase:
+                probe.phases.append(phase)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch_phases())
+    if during is not None:
+        async with aiohttp.ClientSession() as session:
+            side = asyncio.create_task(during(daemon, probe, session))
+            code = await main
+            if not side.done():
+                side.cancel()
+            else:
+                side.result()  # re-raise a failed side assertion
+    else:
+        code = await main
+    await watcher
+    final = daemon.state.phase.value
+    if not probe.phases or probe.phases[-1] != final:
+        probe.phases.append(final)
+    return code, daemon, probe
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = 90.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def history_phases(state_dir: Path) -> list[str]:
+    st = StateStore(state_dir).load()
+    assert st is not None
+    return [h["to"] for h in st.history if "to" in h]
+
+
+@requires_libreyolo
+def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = make_job(tmp_path, dataset, epochs=3, extra="save_period = 1")
+    env = env_for(tmp_path)
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.state.phase == Phase.TRAINING)
+        assert probe.base
+        async with session.get(f"{probe.base}/healthz") as r:
+            assert r.status == 200
+        while daemon.state.phase == Phase.TRAINING:
+            async with session.get(f"{probe.base}/status") as r:
+                assert r.status == 200
+                probe.statuses.append(await r.json())
+            await asyncio.sleep(0.1)
+
+    code, daemon, probe = asyncio.run(run_daemon(job, env, during))
+
+    assert code == 0
+    assert history_phases(env.state_dir) == ["STAGING", "TRAINING", "FINISHING", "TEARDOWN", "DONE"]
+    assert daemon.state.reason is not None and daemon.state.reason.value == "completed"
+    # /status answered while training, with the documented fields.
+    training = [s for s in probe.statuses if s["phase"] == "TRAINING"]
+    assert training, "no /status answer during TRAINING"
+    for key in ("phase", "reason", "epoch", "total_epochs", "eta_seconds", "last_synced_epoch"):
+        assert key in training[-1]
+    assert training[-1]["total_epochs"] == 3
+    # The synced folder holds valid, final checkpoints.
+    run_dir = daemon.run_dir
+    assert run_dir is not None
+    synced = tmp_path / "synced"
+    for name in ("last.pt", "best.pt", "epoch_1.pt", "epoch_2.pt", "epoch_3.pt"):
+        copy = synced / "weights" / name
+        with zipfile.ZipFile(copy) as zf:
+            assert zf.testzip() is None
+        assert copy.read_bytes() == (run_dir / "weights" / name).read_bytes(), name
+    lines = (synced / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in lines] == [1, 2, 3]
+    assert json.loads((synced / "status.json").read_text())["state"] == "completed"
+    assert daemon.sync is not None and daemon.sync.verify_result is not None
+    assert daemon.sync.verify_result.sync_verified
+    assert daemon.sync.last_synced_epoch == 3
+    # Teardown `none` recorded what it would do, and did nothing.
+    td = daemon.state.teardown
+    assert td is not None
+    assert td["action"] == "destroy" and td["performed"] is False
+    assert "would destroy" in td["detail"]
+    log = (env.state_dir / "agent.log").read_text()
+    assert "phase TRAINING -> FINISHING" in log
+    assert "sync verified" in log
+
+
+@requires_libreyolo
+def test_trainer_killed_mid_run_is_reported_as_training_failed_with_cause(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = make_job(tmp_path, dataset, epochs=200)
+    env = env_for(tmp_path)
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        assert daemon.trainer is not None
+        os.killpg(os.getpgid(daemon.trainer.pid), signal.SIGKILL)
+
+    code, daemon, _ = asyncio.run(run_daemon(job, env, during))
+
+    assert code == 0  # the job ended as planned for the agent: the box still gets its teardown
+    assert daemon.state.reason is not None
+    assert daemon.state.reason.value == "training_failed"
+    assert daemon.state.outcome is not None and daemon.state.outcome["kind"] == "killed"
+    assert "SIGKILL" in (daemon.state.cause or "")
+    # A failure keeps the box's disk rather than destroying it (default on_failure = stop).
+    assert daemon.state.teardown is not None and daemon.state.teardown["action"] == "stop"
+    # What was trained before the kill is off the box.
+    assert (tmp_path / "synced" / "weights" / "last.pt").exists()
+
+
+@requires_libreyolo
+def test_stop_request_sends_sigint_and_the_trainer_ends_cleanly(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = make_job(tmp_path, dataset, epochs=200)
+    env = env_for(tmp_path)
+    seen: dict[str, Any] = {}
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        assert daemon.trainer is not None
+        seen["pid"] = daemon.trainer.pid
+        token = (env.state_dir / "token").read_text().strip()
+        async with session.post(f"{probe.base}/stop") as r:
+            assert r.status == 401  # no token, no stop
+        headers = {"Authorization": f"Bearer {token}"}
+        async with session.post(f"{probe.base}/stop", headers=headers) as r:
+            assert r.status == 200
+            assert (await r.json())["ok"] is True
+
+    code, daemon, _ = asyncio.run(run_daemon(job, env, during))
+
+    assert code == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "stopped_by_user"
+    # SIGINT was enough: LibreYOLO's own clean stop (exit 130, KeyboardInterrupt in status.json).
+    assert daemon.state.outcome == {
+        "kind": "interrupted",
+        "exit_code": 130,
+        "message": "stopped with SIGINT",
+    }
+    assert daemon.run_dir is not None
+    status = json.loads((daemon.run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"]["type"] == "KeyboardInterrupt"
+    assert not psutil.pid_exists(seen["pid"]) or psutil.Process(seen["pid"]).status() == "zombie"
+    log = (env.state_dir / "agent.log").read_text()
+    assert "trainer stopped (SIGINT)" in log
+
+
+@requires_libreyolo
+def test_trainer_outlives_the_agent_and_a_new_agent_reattaches(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = make_job(tmp_path, dataset, epochs=12)
+    env = env_for(tmp_path)
+    shutdown = asyncio.Event()
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        shutdown.set()  # what SIGTERM to the agent does
+
+    code, first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
+    assert code == 0
+    assert first.trainer is not None
+    pid = first.trainer.pid
+    assert first.state.phase == Phase.TRAINING  # left as it was: the job is not over
+    assert psutil.pid_exists(pid), "the trainer must outlive the agent"
+
+    code, second, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert second.trainer is not None and second.trainer.pid == pid
+    assert not second.trainer.is_child
+    assert second.state.reason is not None and second.state.reason.value == "completed"
+    assert second.state.outcome is not None and second.state.outcome["kind"] == "completed"
+    assert second.sync is not None and second.sync.verify_result is not None
+    assert second.sync.verify_result.sync_verified
+    log = (env.state_dir / "agent.log").read_text()
+    assert f"re-attached to trainer pid={pid}" in log
+
+    # A third start finds the job over and does nothing (no second training, no second bill).
+    code, third, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0 and third.trainer is None
+
+
+@requires_libreyolo
+def test_bad_training_option_ends_as_training_failed_with_libreyolo_message(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = make_job(tmp_path, dataset, extra="bogus_option = 1", sync=False)
+    code, daemon, _ = asyncio.run(run_daemon(job, env_for(tmp_path)))
+    assert code == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "training_failed"
+    assert daemon.state.outcome is not None and daemon.state.outcome["kind"] == "config"
+    assert "bogus" in (daemon.state.cause or "")
+
+
+@requires_libreyolo
+def test_demo_job_from_the_command_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LIBREYOLO_AGENT_STATE_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "run", "--demo-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "reason:     completed" in proc.stdout
+    assert "verified:   True" in proc.stdout
+    synced = tmp_path / "demo" / "synced" / "weights"
+    assert sorted(p.name for p in synced.glob("*.pt")) == [
+        "best.pt",
+        "epoch_1.pt",
+        "epoch_2.pt",
+        "epoch_3.pt",
+        "last.pt",
+    ]
