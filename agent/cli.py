@@ -78,6 +78,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except AgentError as exc:
         _err(str(exc))
         return EXIT_FAIL
+    except Exception as exc:
+        # A bug, not a user mistake: keep the traceback in agent.log, one line here. The state
+        # file is left as it was, so a restarted agent (systemd Restart=on-failure) carries on.
+        _err(f"the agent crashed: {type(exc).__name__}: {exc} (traceback in agent.log)")
+        return EXIT_FAIL
     _print_summary(daemon, demo_root)
     return code
 

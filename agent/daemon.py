@@ -102,6 +102,11 @@ class Daemon:
             agent_log.setLevel(logging.INFO)
         try:
             return await self._run()
+        except AgentError:
+            raise
+        except Exception:
+            log.exception("agent crashed in phase %s", self.state.phase.value)
+            raise
         finally:
             agent_log.removeHandler(file_handler)
             file_handler.close()

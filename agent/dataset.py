@@ -150,7 +150,8 @@ class StageResult:
     commit: str | None
     #: sha256 of the archive, hex.
     archive_sha256: str
-    #: ``libreyolo doctor`` JSON report, or None when the doctor gate is off.
+    #: ``libreyolo doctor`` JSON report (each finding's ``paths`` cut to 20, the rest counted in
+    #: ``paths_truncated``), or None when the doctor gate is off.
     doctor: dict[str, Any] | None = None
     #: Doctor warnings as ``"check_id: message"`` lines, to be shown to the user.
     warnings: list[str] = field(default_factory=list)
@@ -172,8 +173,9 @@ def stage_dataset(
     """Download ``ds.file`` from the dataset repo, unpack it into ``ds.dest``, run the doctor gate.
 
     Skips download and unpack (and never contacts the Hub) when ``ds.dest`` holds an intact marker
-    for the same repo, file and revision. ``data_yaml`` (e.g. the job's ``train.data``) overrides
-    the YAML the doctor checks; otherwise ``ds.data_yaml`` or the single data YAML found in dest.
+    for the same repo, file and revision. ``data_yaml`` (e.g. the job's ``train.data``; absolute,
+    or relative to dest) overrides the YAML the doctor checks; otherwise ``ds.data_yaml`` or the
+    single data YAML found at the top of dest or one level down.
     Raises :class:`StagingError` (``DoctorError`` for doctor errors, ``UnsafeArchiveError`` for a
     hostile archive).
     """
@@ -226,11 +228,12 @@ def stage_dataset(
 
     plan = _plan(archive, kind)
     if ours:
-        # Another dataset (or a broken staging) of ours is in the way. The marker goes first so
-        # that a crash half-way through the removal can never look like an intact staging.
+        # Another dataset (or a broken staging) of ours is in the way. Renaming it aside is
+        # atomic, so a crash during the slow removal leaves only a leftover for the next start.
         log.info("staging: removing the previous staging in %s", dest)
-        (dest / MARKER_NAME).unlink(missing_ok=True)
-        shutil.rmtree(dest)
+        old = dest.parent / f".{dest.name}.unpacking-old-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(dest, old)
+        shutil.rmtree(old)
 
     record: dict[str, Any] = {
         "format": MARKER_FORMAT,
@@ -287,9 +290,10 @@ def _finish(
     assert yaml_path is not None
     started = time.monotonic()
     report = run_doctor(yaml_path)
-    summary = report.get("summary") if isinstance(report.get("summary"), dict) else {}
-    assert isinstance(summary, dict)
-    errors = _int_or_zero(summary.get("errors"))
+    # Keep the report small enough for state files and /status (see _MAX_FINDING_PATHS).
+    report["findings"] = _trim_findings(report)
+    summary = report.get("summary")
+    errors = _int_or_zero(summary.get("errors")) if isinstance(summary, dict) else 0
     findings = [f for f in report.get("findings") or [] if isinstance(f, dict)]
     if errors or report.get("exit_code") not in (0, None):
         bad = [f for f in findings if f.get("severity") == "error"]

@@ -230,7 +230,7 @@ class Trainer:
             os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {' '.join(argv)}\n".encode())
             # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.
             shell = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', str(cwd), *argv]
-            pid = os.posix_spawn(
+            pid = os.posix_spawn(  # noqa: ASYNC221 (returns at once)
                 shell[0],
                 shell,
                 env,

@@ -232,7 +232,7 @@ class HubSink:
                 hint = f"; the Hub asks to wait {retry_after} s" if retry_after else ""
                 msg, retryable = f"{detail}: rate limited by the Hub{hint}", True
             elif status >= 500 or status in _RETRYABLE_STATUS:
-                msg, retryable = f"{detail}: the Hub failed; will retry", True
+                msg, retryable = f"{detail}: a transient error on the Hub", True
             else:
                 msg, retryable = f"{detail}: the Hub rejected the request", False
         elif isinstance(exc, httpx2.HTTPError):
