@@ -57,19 +57,10 @@ def _fmt(value: TrainValue) -> str:
     return str(value)
 
 
-def uses_python_api(job: Job) -> bool:
-    """LibreYOLO 1.6.0's CLI rejects device lists (``device=0,1``); those go through the Python
-    API, whose coordinator spawns one rank per GPU."""
-    device = job.train.get("device")
-    return isinstance(device, str) and "," in device
-
-
-def build_argv(job: Job, *, python: str = sys.executable) -> list[str]:
+def build_argv(job: Job) -> list[str]:
     """The command line that starts this job's training."""
     args = [f"{k}={_fmt(v)}" for k, v in job.train.args]
     fixed = [f"project={job.job.runs_dir}", f"name={job.job.name}"]
-    if uses_python_api(job):
-        return [python, "-m", "agent.train_entry", *args, *fixed]
     return [libreyolo_executable(), "train", *args, *fixed, "json=true"]
 
 
@@ -216,9 +207,6 @@ class Trainer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cwd.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        # The agent package must be importable by agent.train_entry (multi-GPU launches).
-        pkg_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         try:
