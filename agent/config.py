@@ -121,7 +121,7 @@ class TrainSection:
 class DatasetSection:
     #: Hugging Face dataset repo (``org/name``) holding one archive of the dataset.
     repo: str
-    #: Archive file name inside the repo (``.tar``, ``.tar.gz``, ``.tgz``, ``.zip``).
+    #: Archive file name inside the repo (.tar, .tar.gz/.tgz, .tar.bz2, .tar.xz, .zip).
     file: str
     #: Branch, tag or commit to download.
     revision: str = "main"

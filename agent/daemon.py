@@ -32,6 +32,8 @@ from .trainer import Outcome, Trainer, TrainerError, build_argv, classify, read_
 
 log = logging.getLogger("agent.daemon")
 
+#: How often a retryable staging error (network, Hub 5xx) is retried before the job fails.
+STAGING_ATTEMPTS = 5
 #: A hook run in STAGING (the demo job makes its synthetic dataset there).
 StageHook = Callable[[], None]
 
@@ -246,17 +248,38 @@ class Daemon:
             if self.job.dataset is not None:
                 from .dataset import StagingError, stage_dataset
 
-                try:
-                    result = await asyncio.to_thread(stage_dataset, self.job.dataset, self.env)
-                except StagingError as exc:
-                    self.state.cause = f"staging failed: {exc}"
-                    self.staging_report = {
-                        "ok": False,
-                        "error": str(exc),
-                        "findings": getattr(exc, "findings", []),
-                    }
-                    log.error("staging failed: %s", exc)
-                    return False
+                data = self.job.train.get("data")
+                attempt = 0
+                while True:
+                    attempt += 1
+                    try:
+                        result = await asyncio.to_thread(
+                            stage_dataset,
+                            self.job.dataset,
+                            self.env,
+                            data_yaml=str(data) if data is not None else None,
+                        )
+                        break
+                    except StagingError as exc:
+                        # Staging is idempotent: a network hiccup is worth a few patient retries.
+                        if exc.retryable and attempt < STAGING_ATTEMPTS:
+                            delay = min(60.0, 5.0 * 2 ** (attempt - 1))
+                            log.warning(
+                                "staging attempt %d failed: %s; retry in %.0fs", attempt, exc, delay
+                            )
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._shutdown_wait(), delay)
+                            if self.flags is not None and self.flags.shutdown.is_set():
+                                return True
+                            continue
+                        self.state.cause = f"staging failed: {exc}"
+                        self.staging_report = {
+                            "ok": False,
+                            "error": str(exc),
+                            "findings": exc.findings,
+                        }
+                        log.error("staging failed: %s", exc)
+                        return False
                 self.staging_report = {"ok": True, **_jsonable(result)}
                 for warning in result.warnings:
                     log.warning("dataset: %s", warning)
@@ -267,6 +290,10 @@ class Daemon:
         finally:
             if self.staging_report is not None:
                 atomic_write_json(self.store.path("staging.json"), self.staging_report)
+
+    async def _shutdown_wait(self) -> None:
+        assert self.flags is not None
+        await self.flags.shutdown.wait()
 
     async def _training(self) -> Reason | None:
         """Launch (or re-attach to) the trainer, follow it, sync milestones, enforce limits.

@@ -15,8 +15,8 @@ Config keys (all optional):
 ``matmul_n``
     Side of the square float32 matmul run on every GPU (default 2000).
 ``nccl_devices``
-    GPU indices to all-reduce across through NCCL (``torch.distributed``); nothing runs with
-    fewer than two.
+    GPU indices to all-reduce across through NCCL (``torch.distributed``), or ``"all"``;
+    nothing runs with fewer than two.
 ``deadline_s``
     Seconds the parent will wait; the NCCL step gives up on its own a little before that.
 ``libreyolo``
@@ -170,7 +170,8 @@ def _cuda(doc: dict[str, Any], torch: Any, config: dict[str, Any], deadline: flo
             inputs = _matmul_inputs(torch, n)
         dev["matmul"] = _matmul(torch, i, *inputs)
 
-    nccl_devices = [int(d) for d in config.get("nccl_devices") or []]
+    spec = config.get("nccl_devices") or []
+    nccl_devices = list(range(cuda["device_count"])) if spec == "all" else [int(d) for d in spec]
     if len(nccl_devices) >= 2:
         doc["nccl"] = _nccl_step(doc, torch, nccl_devices, deadline)
 
