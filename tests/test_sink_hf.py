@@ -1,0 +1,301 @@
+"""HubSink against the fake Hub, through the real ``huggingface_hub`` client."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+from huggingface_hub import close_session, get_session
+from huggingface_hub.errors import HfHubHTTPError
+
+from agent.config import Env
+from agent.sinks import RemoteFile, SinkError, make_sink, sha256_file
+from agent.sinks import hf as hf_sink
+from agent.sinks.hf import HubSink
+from tests.fakes.hub import FakeHub, overlaps, run_fake_hub
+
+GOOD = "hf_write_token_SECRET_1234"
+READ = "hf_read_token_SECRET_5678"
+BAD = "hf_revoked_token_SECRET_9999"
+REPO = "org/run1"
+
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    with run_fake_hub(tokens={GOOD}, read_tokens={READ}) as h:
+        yield h
+
+
+def sink(hub: FakeHub, token: str | None = GOOD, *, private: bool = True, **kw: str) -> HubSink:
+    return HubSink(REPO, env=Env(hf_endpoint=hub.url, hf_token=token), private=private, **kw)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    # A .pt is a zip archive: binary, and LFS/Xet on the real Hub.
+    p = tmp_path / "last.pt"
+    p.write_bytes(b"PK\x03\x04" + hashlib.sha256(b"seed").digest() * 40_000)
+    return p
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    p = tmp_path / "results.csv"
+    p.write_text("epoch,mAP50\n1,0.12\n2,0.31\n")
+    return p
+
+
+def test_make_sink_builds_a_hub_sink_for_hf_targets(hub: FakeHub) -> None:
+    from agent.config import SyncSection
+
+    s = make_sink(SyncSection(target=f"hf://{REPO}"), Env(hf_endpoint=hub.url, hf_token=GOOD))
+    assert isinstance(s, HubSink)
+    assert s.description == f"hf://{REPO}"
+    assert s.private
+
+
+def test_prepare_creates_a_private_repo_and_is_safe_to_repeat(hub: FakeHub) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.prepare()
+    assert hub.is_private("model", REPO)
+    assert [r.status for r in hub.requests if r.route == "create_repo"] == [200, 409]
+    HubSink("org/open", env=Env(hf_endpoint=hub.url, hf_token=GOOD), private=False).prepare()
+    assert not hub.is_private("model", "org/open")
+
+
+def test_upload_and_stat_a_checkpoint_described_as_lfs(hub: FakeHub, ckpt: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(ckpt, "weights/last.pt")
+    assert hub.file("model", REPO, "weights/last.pt") == ckpt.read_bytes()
+    desc = hub.describe("model", REPO, "weights/last.pt")
+    assert desc is not None and "lfs" in desc  # read back the way the real Hub describes it
+    hub.clear_requests()
+    remote = s.stat("weights/last.pt")
+    assert remote == RemoteFile("weights/last.pt", ckpt.stat().st_size, sha256_file(ckpt))
+    # LFS: the Hub's sha256 is used; the checkpoint is not downloaded again.
+    assert [r.route for r in hub.requests] == ["paths_info"]
+    commit = hub.commits("model", REPO)[-1]
+    assert commit.summary == "libreyolo-agent: upload weights/last.pt"
+
+
+def test_upload_and_stat_a_small_regular_file(hub: FakeHub, text: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(text, "results.csv")
+    desc = hub.describe("model", REPO, "results.csv")
+    assert desc is not None and "lfs" not in desc  # its oid is a git sha1, not a sha256
+    hub.clear_requests()
+    remote = s.stat("results.csv")
+    assert remote == RemoteFile("results.csv", text.stat().st_size, sha256_file(text))
+    assert [(r.route, r.method) for r in hub.requests] == [
+        ("paths_info", "POST"),
+        ("resolve", "GET"),
+    ]
+
+
+def test_stat_of_a_missing_file_is_none(hub: FakeHub, text: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    assert s.stat("weights/last.pt") is None
+    s.upload(text, "weights/results.csv")
+    assert s.stat("weights") is None  # a folder is not a file
+    assert s.stat("weights/last.pt") is None
+
+
+def test_accepted_then_dropped_upload_reads_back_as_missing(hub: FakeHub, ckpt: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    hub.lose("drop")
+    s.upload(ckpt, "weights/last.pt")  # the Hub said yes...
+    assert s.stat("weights/last.pt") is None  # ...verification says no
+
+
+@pytest.mark.parametrize("name", ["weights/last.pt", "results.csv"])
+def test_accepted_then_corrupted_upload_reads_back_with_another_hash(
+    hub: FakeHub, ckpt: Path, text: Path, name: str
+) -> None:
+    local = ckpt if name.endswith(".pt") else text
+    s = sink(hub)
+    s.prepare()
+    hub.lose("corrupt")
+    s.upload(local, name)
+    remote = s.stat(name)
+    assert remote is not None
+    assert remote.size == local.stat().st_size  # same size: only the hash can tell
+    assert remote.sha256 != sha256_file(local)
+
+
+def test_reupload_after_a_lost_commit_repairs_the_file(hub: FakeHub, ckpt: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    hub.lose("corrupt")
+    s.upload(ckpt, "w.pt")
+    s.upload(ckpt, "w.pt")  # the preupload oid differs from the corrupt copy: not skipped
+    remote = s.stat("w.pt")
+    assert remote is not None and remote.sha256 == sha256_file(ckpt)
+
+
+@pytest.mark.parametrize("token", [BAD, READ, None])
+def test_token_problems_are_not_retryable_and_never_show_the_token(
+    hub: FakeHub, ckpt: Path, token: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    hub.add_repo("model", REPO, private=True)
+    s = sink(hub, token)
+    calls = [lambda: s.upload(ckpt, "w.pt")]
+    if token == READ:
+        # A read token may "create" a repo that exists (the Hub answers 403, the client then
+        # finds the repo) and may read back: only the upload shows the problem.
+        s.prepare()
+        assert s.stat("w.pt") is None
+    else:
+        calls += [s.prepare, lambda: s.stat("w.pt")]
+    for call in calls:
+        with pytest.raises(SinkError) as exc:
+            call()
+        err = exc.value
+        assert not err.retryable
+        assert f"set HF_TOKEN to a token with write access to {REPO}" in str(err)
+        for secret in (GOOD, READ, BAD):
+            assert secret not in str(err)
+            assert secret not in caplog.text
+    if token is None:
+        assert "HF_TOKEN is not set" in str(err)
+    assert hub.file("model", REPO, "w.pt") is None
+
+
+def test_missing_repo_is_not_retryable(hub: FakeHub, text: Path) -> None:
+    with pytest.raises(SinkError) as exc:
+        sink(hub).upload(text, "results.csv")
+    assert not exc.value.retryable
+    assert f"repository {REPO} was not found" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("route", "status"), [("commit", 500), ("commit", 503), ("create_repo", 502)]
+)
+def test_server_errors_are_retryable(hub: FakeHub, text: Path, route: str, status: int) -> None:
+    hub.add_repo("model", REPO)
+    hub.fail(route, status)
+    s = sink(hub)
+    with pytest.raises(SinkError) as exc:
+        s.prepare() if route == "create_repo" else s.upload(text, "results.csv")
+    assert exc.value.retryable
+    assert f"HTTP {status}" in str(exc.value)
+
+
+def test_rate_limit_is_retryable_and_says_how_long(hub: FakeHub) -> None:
+    hub.add_repo("model", REPO)
+    hub.fail("paths_info", 429, retry_after=30)
+    with pytest.raises(SinkError) as exc:
+        sink(hub).stat("w.pt")
+    assert exc.value.retryable
+    assert "wait 30 s" in str(exc.value)
+
+
+def test_failed_read_back_download_is_retryable(hub: FakeHub, text: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(text, "results.csv")
+    hub.fail("resolve", 500, method="GET")
+    with pytest.raises(SinkError) as exc:
+        s.stat("results.csv")
+    assert exc.value.retryable
+
+
+def test_connection_reset_is_retryable(hub: FakeHub, text: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    hub.reset("commit")
+    with pytest.raises(SinkError) as exc:
+        s.upload(text, "results.csv")
+    assert exc.value.retryable
+    assert "cannot reach" in str(exc.value)
+    assert s.stat("results.csv") is None
+
+
+def test_preupload_5xx_is_retried_inside_the_client(hub: FakeHub, text: Path) -> None:
+    """huggingface_hub retries preupload itself (http_backoff, 1 s first): one upload call
+    survives a single 503 there, and takes a second longer."""
+    s = sink(hub)
+    s.prepare()
+    hub.fail("preupload", 503)
+    s.upload(text, "results.csv")
+    assert [r.status for r in hub.requests if r.route == "preupload"] == [503, 200]
+
+
+def test_hung_hub_times_out_instead_of_blocking_forever(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = sink(hub)
+    assert get_session().timeout.read == hf_sink.HTTP_TIMEOUT_S
+    hub.add_repo("model", REPO)
+    hub.delay("paths_info", 5.0)
+    monkeypatch.setattr(hf_sink, "HTTP_TIMEOUT_S", 0.3)
+    close_session()  # the next request builds a client with the short timeout
+    try:
+        started = time.monotonic()
+        with pytest.raises(SinkError) as exc:
+            s.stat("w.pt")
+        assert time.monotonic() - started < 3
+        assert exc.value.retryable
+        assert "Timeout" in str(exc.value)
+    finally:
+        monkeypatch.undo()
+        close_session()
+
+
+def test_refuses_paths_outside_the_repo(hub: FakeHub, text: Path) -> None:
+    for bad in ("../x.pt", "/abs.pt", "", "a//b.pt"):
+        with pytest.raises(SinkError) as exc:
+            sink(hub).upload(text, bad)
+        assert not exc.value.retryable
+    assert not hub.requests
+
+
+def test_missing_local_file_is_a_sink_error(hub: FakeHub, tmp_path: Path) -> None:
+    with pytest.raises(SinkError, match="is not a file"):
+        sink(hub).upload(tmp_path / "gone.pt", "gone.pt")
+
+
+def test_branch_revision_is_created_and_used(hub: FakeHub, text: Path) -> None:
+    s = sink(hub, revision="ckpts")
+    assert s.description == f"hf://{REPO}@ckpts"
+    s.prepare()
+    s.prepare()
+    s.upload(text, "results.csv")
+    assert hub.file("model", REPO, "results.csv", revision="ckpts") == text.read_bytes()
+    assert hub.file("model", REPO, "results.csv") is None
+    remote = s.stat("results.csv")
+    assert remote is not None and remote.sha256 == sha256_file(text)
+    assert sink(hub).stat("results.csv") is None  # main does not have it
+
+
+def test_serial_uploads_of_one_path_never_overlap(hub: FakeHub, ckpt: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    for _ in range(2):
+        s.upload(ckpt, "w.pt")
+        ckpt.write_bytes(ckpt.read_bytes() + b"more")
+    commits = [r for r in hub.requests if r.route == "commit" and "w.pt" in r.files]
+    assert len(commits) == 2
+    assert not overlaps(commits)
+
+
+def test_wrapped_transfer_errors_are_classified_by_their_cause(hub: FakeHub) -> None:
+    """LFS/Xet transfers (real Hub only) raise RuntimeError from the HTTP error."""
+    request = httpx2.Request("PUT", f"{hub.url}/lfs/upload")
+    for status, retryable in ((403, False), (503, True)):
+        cause = HfHubHTTPError("boom", response=httpx2.Response(status, request=request))
+        wrapped = RuntimeError("Error while uploading 'w.pt' to the Hub.")
+        wrapped.__cause__ = cause
+        err = sink(hub)._error("upload of w.pt", wrapped)
+        assert err.retryable is retryable
+        assert f"HTTP {status}" in str(err)
