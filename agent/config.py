@@ -7,6 +7,7 @@ on a box that bills by the hour.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -23,6 +24,8 @@ DEFAULT_STATE_DIR = Path("/var/lib/libreyolo-agent")
 DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 
+#: ``[train]`` keys whose relative values name files beside the job file.
+_PATH_TRAIN_KEYS = frozenset({"data", "model"})
 #: ``[train]`` keys the agent sets itself; a job may not set them.
 RESERVED_TRAIN_KEYS = frozenset({"project", "name", "json"})
 
@@ -50,7 +53,10 @@ def parse_duration(key: str, value: object) -> float:
     if isinstance(value, bool):
         raise ConfigError(key, f"{value!r} is not {expected}")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ConfigError(key, f"{_show(value)} is too large for {expected}") from None
     elif isinstance(value, str):
         text = value.strip().lower()
         pos = 0
@@ -217,7 +223,7 @@ class Env:
         e = os.environ if environ is None else environ
         state_dir = Path(e.get("LIBREYOLO_AGENT_STATE_DIR") or DEFAULT_STATE_DIR)
         endpoint = (e.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
-        if urlparse(endpoint).scheme not in ("http", "https"):
+        if _url_scheme(endpoint) not in ("http", "https"):
             raise ConfigError("HF_ENDPOINT", f"{endpoint!r} is not an http(s) URL")
         hf_home = Path(e["HF_HOME"]) if e.get("HF_HOME") else None
         token = e.get("HF_TOKEN") or None
@@ -294,8 +300,14 @@ class _Table:
         v = self._get(k, False)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, int | float):
             raise ConfigError(self.key(k), f"{_show(v)} is not a number")
+        try:
+            finite = math.isfinite(float(v))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ConfigError(self.key(k), f"{_show(v)} is not a finite number")
         if v < minimum or (strict and v == minimum):
             rel = ">" if strict else ">="
             raise ConfigError(self.key(k), f"{_show(v)} must be {rel} {minimum:g}")
@@ -328,6 +340,13 @@ class _Table:
             k = unknown[0]
             expected = ", ".join(sorted(self.used))
             raise ConfigError(self.key(k), f"unknown key (expected one of: {expected})")
+
+
+def _url_scheme(url: str) -> str | None:
+    try:
+        return urlparse(url).scheme
+    except ValueError:
+        return None
 
 
 def _show(value: object) -> str:
@@ -370,6 +389,8 @@ def parse_job(text: str, *, source: str = "<string>", base_dir: Path | None = No
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(source, "not valid TOML: nested too deeply") from None
     return job_from_dict(doc, source=source, base_dir=base_dir)
 
 
@@ -378,13 +399,19 @@ def job_from_dict(
 ) -> Job:
     base = base_dir or Path.cwd()
 
-    def path(value: str) -> Path:
-        p = Path(value).expanduser()
+    def path(value: str, key: str = "path") -> Path:
+        try:
+            p = Path(value).expanduser()
+        except RuntimeError:  # "~nosuchuser/..."
+            raise ConfigError(key, f"{value!r}: cannot expand '~' (no such user)") from None
         return p if p.is_absolute() else (base / p)
 
     unknown = sorted(set(doc) - set(_SECTIONS))
     if unknown:
-        raise ConfigError(unknown[0], f"unknown section (expected one of: {', '.join(_SECTIONS)})")
+        raise ConfigError(
+            unknown[0] or repr(unknown[0]),
+            f"unknown section (expected one of: {', '.join(_SECTIONS)})",
+        )
 
     t = _Table("job", doc.get("job", {}))
     name = t.str_("name", "run1")
@@ -393,7 +420,7 @@ def job_from_dict(
         raise ConfigError("job.name", f"{name!r} must be a plain name, not a path")
     job_section = JobSection(
         name=name,
-        runs_dir=path(t.str_("runs_dir", "runs") or "runs"),
+        runs_dir=path(t.str_("runs_dir", "runs") or "runs", "job.runs_dir"),
         stop_trainer_on_exit=t.bool_("stop_trainer_on_exit", False),
     )
     t.finish()
@@ -409,19 +436,22 @@ def job_from_dict(
             repo=repo,
             file=t.req_str("file"),
             revision=t.str_("revision", "main") or "main",
-            dest=path(t.str_("dest", "data") or "data"),
+            dest=path(t.str_("dest", "data") or "data", "dataset.dest"),
             doctor=t.bool_("doctor", False),
             data_yaml=data_yaml,
         )
         t.finish()
 
-    train = _load_train(doc.get("train"), dataset)
+    train = _load_train(doc.get("train"), dataset, base)
 
     sync: SyncSection | None = None
     if "sync" in doc:
         t = _Table("sync", doc["sync"])
         target = t.req_str("target")
-        parsed = urlparse(target)
+        try:
+            parsed = urlparse(target)
+        except ValueError as exc:  # e.g. an unbalanced '[' reads as a broken IPv6 host
+            raise ConfigError("sync.target", f"{target!r} is not a valid URL ({exc})") from None
         if parsed.scheme == "file":
             if not parsed.path.startswith("/") or parsed.netloc:
                 raise ConfigError(
@@ -505,7 +535,7 @@ def job_from_dict(
     )
 
 
-def _load_train(raw: object, dataset: DatasetSection | None) -> TrainSection:
+def _load_train(raw: object, dataset: DatasetSection | None, base: Path) -> TrainSection:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -533,6 +563,12 @@ def _load_train(raw: object, dataset: DatasetSection | None) -> TrainSection:
         if isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
             if isinstance(v, str) and ("\n" in v or "\x00" in v):
                 raise ConfigError(key, f"{_show(v)} must be a single line")
+            if k in _PATH_TRAIN_KEYS and isinstance(v, str) and not Path(v).is_absolute():
+                # The trainer runs in runs_dir: a file beside the job file is made absolute,
+                # while names LibreYOLO resolves itself ("coco8.yaml", "yolox-n") stay as given.
+                with contextlib.suppress(OSError, RuntimeError):
+                    if (base / v).exists():
+                        v = str(base / v)
             args.append((k, v))
         else:
             raise ConfigError(key, f"{_show(v)} must be a string, number or boolean")
@@ -552,7 +588,7 @@ def _load_train(raw: object, dataset: DatasetSection | None) -> TrainSection:
         raise ConfigError(
             "train.device",
             f"{device!r}: multi-GPU device lists are not supported by this version of the agent "
-            "yet; use a single device such as \"0\"",
+            'yet; use a single device such as "0"',
         )
     epochs = section.get("epochs")
     if epochs is not None and (
@@ -564,7 +600,12 @@ def _load_train(raw: object, dataset: DatasetSection | None) -> TrainSection:
 
 def _parse_listen(listen: str) -> ServerSection:
     host, sep, port_text = listen.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    if (
+        not sep
+        or not host
+        or not (port_text.isascii() and port_text.isdigit())
+        or int(port_text) > 65535
+    ):
         raise ConfigError("server.listen", f"{listen!r} is not host:port (e.g. {DEFAULT_LISTEN!r})")
     host = host.strip("[]")
     return ServerSection(host=host, port=int(port_text))

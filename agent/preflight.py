@@ -381,6 +381,7 @@ async def run_preflight(
         nccl = None
     probe_config = {
         "matmul_n": MATMUL_N,
+        "matmul_tolerance": MATMUL_TOLERANCE,
         "nccl_devices": nccl,
         "deadline_s": plan.timeout_s,
         "libreyolo": True,
@@ -403,7 +404,7 @@ async def run_preflight(
     checks += _hub_checks(plan, env, hub)
     report = PreflightReport(tuple(checks), time.monotonic() - t0)
     failed = ", ".join(c.name for c in report.failures()) or "-"
-    log.info(
+    log.debug(
         "preflight: %s in %.1f s (failed: %s; %d warnings)",
         "ok" if report.ok else "FAILED",
         report.wall_s,
@@ -493,14 +494,26 @@ async def _run_probe(
     stages: list[str] = []
     tail = bytearray()
 
+    def on_line(raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace")
+        if line.startswith(_STAGE_PREFIX):
+            stages.append(line[len(_STAGE_PREFIX) :].strip())
+        else:
+            tail.extend(raw + b"\n")
+            del tail[:-_STDERR_TAIL]
+
     async def read_stderr(stream: asyncio.StreamReader) -> None:
-        async for raw in stream:
-            line = raw.decode("utf-8", "replace")
-            if line.startswith(_STAGE_PREFIX):
-                stages.append(line[len(_STAGE_PREFIX) :].strip())
-            else:
-                tail.extend(raw)
-                del tail[:-_STDERR_TAIL]
+        # By chunks, not readline(): a progress bar redrawn with \r makes one endless "line".
+        pending = b""
+        while chunk := await stream.read(65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                on_line(raw)
+            if len(pending) > _STDERR_TAIL:
+                on_line(pending)
+                pending = b""
+        if pending:
+            on_line(pending)
 
     out_task = asyncio.create_task(proc.stdout.read())
     err_task = asyncio.create_task(read_stderr(proc.stderr))
@@ -525,9 +538,11 @@ async def _run_probe(
         _, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
         for task in pending:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        # Also collects the readers' own errors, so none is left "never retrieved".
+        await asyncio.gather(out_task, err_task, return_exceptions=True)
     seconds = time.monotonic() - t0
-    stdout = out_task.result() if out_task.done() and not out_task.cancelled() else b""
+    ok_read = out_task.done() and not out_task.cancelled() and out_task.exception() is None
+    stdout = out_task.result() if ok_read else b""
     result = _ProbeResult(
         None,
         seconds,
@@ -595,8 +610,7 @@ def _probe_checks(probe: _ProbeResult, plan: _Plan, driver: DriverInfo) -> list[
                 WARN if plan.cpu_ok else FAIL,
                 f"CPU-only build (torch {version})",
                 "install a CUDA build of torch: pip install --force-reinstall torch torchvision "
-                "--index-url https://download.pytorch.org/whl/cu128 (pick the build for this "
-                f"driver: {_PYTORCH_INSTALL})",
+                f"--index-url {wheel_index(None, driver.cuda) or _PYTORCH_INSTALL}",
             )
         )
 
@@ -609,10 +623,10 @@ def _probe_checks(probe: _ProbeResult, plan: _Plan, driver: DriverInfo) -> list[
     checks.append(_cuda_available_check(cuda, plan, torch_cuda, driver, warnings_seen))
     if available:
         count = int(cuda.get("device_count") or 0)
-        checks.append(evaluate_gpu_count(plan.device, count, generic=plan.generic))
+        checks.append(evaluate_gpu_count(plan.device, count))
         arch_list = [str(a) for a in cuda.get("arch_list", [])]
         for dev in doc.get("devices", []):
-            checks += _gpu_checks(dev, arch_list, version, driver.cuda)
+            checks += _gpu_checks(dev, arch_list, driver.cuda)
         nccl = doc.get("nccl")
         if isinstance(nccl, dict) and "skipped" not in nccl:
             checks.append(evaluate_nccl(nccl))
@@ -693,10 +707,11 @@ def _cuda_available_check(
     if cuda.get("available"):
         return _check("cuda.available", PASS, f"yes, {count} GPU{'s' * (count != 1)}", **details)
     why = ""
+    relevant = [w for w in warnings_seen if re.search(r"CUDA|driver|GPU", w)]
     if cuda.get("error"):
         why = _first_line(str(cuda["error"]))
-    elif warnings_seen:
-        why = _first_line(warnings_seen[0])
+    elif relevant:
+        why = _first_line(relevant[0])
     value = "no" + (f": {why}" if why else "")
     if plan.device.kind == "cpu":
         return _check("cuda.available", PASS, f"{value} (train.device='cpu')", **details)
@@ -729,7 +744,7 @@ def _cuda_available_check(
     return _check("cuda.available", FAIL, value, fix, **details)
 
 
-def evaluate_gpu_count(spec: DeviceSpec, visible: int, *, generic: bool = False) -> Check:
+def evaluate_gpu_count(spec: DeviceSpec, visible: int) -> Check:
     """Visible GPUs against the ones ``train.device`` asks for (CUDA is available)."""
     details: dict[str, Any] = {"visible": visible, "device": spec.text, "wanted": list(spec.ids)}
     plural = "s" * (visible != 1)
@@ -796,7 +811,7 @@ def evaluate_gpu_count(spec: DeviceSpec, visible: int, *, generic: bool = False)
 
 
 def _gpu_checks(
-    dev: Mapping[str, Any], arch_list: Sequence[str], torch_version: str, driver_cuda: str | None
+    dev: Mapping[str, Any], arch_list: Sequence[str], driver_cuda: str | None
 ) -> list[Check]:
     i = int(dev.get("index", 0))
     name = f"gpu{i}"
@@ -870,7 +885,8 @@ def arch_support(capability: tuple[int, int], arch_list: Sequence[str]) -> tuple
     cc = major * 10 + minor
     sm = f"sm_{cc}"
     listed = " ".join(arch_list)
-    native = ptx = None
+    native: list[tuple[int, str]] = []
+    ptx: list[tuple[int, str]] = []
     for arch in arch_list:
         m = re.fullmatch(r"(sm|compute)_(\d+)([af]?)", arch.strip())
         if not m:
@@ -879,34 +895,52 @@ def arch_support(capability: tuple[int, int], arch_list: Sequence[str]) -> tuple
         if m.group(1) == "sm":
             same_major = code // 10 == major and code % 10 <= minor
             if (m.group(3) == "a" and code == cc) or (m.group(3) != "a" and same_major):
-                native = native or arch
+                native.append((code, arch))
         elif code <= cc:
-            ptx = ptx or arch
-    if native == sm:
+            ptx.append((code, arch))
+    # The closest code wins: sm_86 over sm_80 on an sm_89 card.
+    native = [max(native)] if native else []
+    if native and native[0][1] == sm:
         return PASS, f"{sm} is in torch's arch list ({listed})"
     if native:
-        return PASS, f"{sm} runs torch's {native} kernels (same major; arch list: {listed})"
+        return PASS, f"{sm} runs torch's {native[0][1]} kernels (same major; arch list: {listed})"
     if ptx:
-        return WARN, f"no {sm} kernels; runs through PTX JIT from {ptx} (slow first start)"
+        return WARN, f"no {sm} kernels; runs through PTX JIT from {max(ptx)[1]} (slow first start)"
     if not arch_list:
         return WARN, "torch reports no arch list; the matmul decides"
     return FAIL, f"torch has no kernels for {sm} (it has {listed})"
 
 
-def _torch_build_fix(capability: tuple[int, int], driver_cuda: str | None) -> str:
-    cc = capability[0] * 10 + capability[1]
+#: CUDA versions PyTorch publishes wheels for (download.pytorch.org/whl/cuXYZ), newest first.
+_WHEEL_CUDA = ((13, 0), (12, 8), (12, 6), (12, 4), (12, 1), (11, 8))
+
+
+def wheel_index(capability: tuple[int, int] | None, driver_cuda: str | None) -> str | None:
+    """The newest PyTorch wheel index that runs on this driver and has kernels for this GPU.
+
+    CUDA 12.8 builds are the first with Blackwell (10.x, 12.x) kernels and the first without
+    Maxwell, Pascal and Volta (< 7.5) ones.
+    """
     driver = _version_tuple(driver_cuda) if driver_cuda else None
-    if cc < 75:
-        tag = "cu126"  # CUDA 13 builds dropped Maxwell, Pascal and Volta
-    elif driver is not None and driver < (12, 8):
-        tag = "cu126"
-    elif driver is not None and driver >= (13, 0):
-        tag = "cu130"
-    else:
-        tag = "cu128"
+    for cuda in _WHEEL_CUDA:
+        if driver is not None and cuda > driver:
+            continue
+        if capability is not None and capability < (7, 5) and cuda >= (12, 8):
+            continue
+        if capability is not None and capability >= (10, 0) and cuda < (12, 8):
+            continue
+        return f"https://download.pytorch.org/whl/cu{cuda[0]}{cuda[1]}"
+    return None
+
+
+def _torch_build_fix(capability: tuple[int, int], driver_cuda: str | None) -> str:
+    sm = f"sm_{capability[0]}{capability[1]}"
+    index = wheel_index(capability, driver_cuda)
+    if index is None:
+        return f"no PyTorch CUDA build runs {sm} on this driver: update the driver"
     return (
-        f"install the torch build for sm_{cc}: pip install --force-reinstall torch torchvision "
-        f"--index-url https://download.pytorch.org/whl/{tag} (see {_PYTORCH_INSTALL})"
+        f"install the torch build for {sm}: pip install --force-reinstall torch torchvision "
+        f"--index-url {index} (see {_PYTORCH_INSTALL})"
     )
 
 
@@ -1110,7 +1144,8 @@ def evaluate_driver(
             "driver",
             WARN,
             value + ", yet torch sees CUDA",
-            "install nvidia-ml-py so the driver can be checked",
+            "torch works, so only the driver checks are skipped; for them, make NVML "
+            "(libnvidia-ml.so, nvidia-ml-py) or nvidia-smi available",
             **details,
         )
     return _check(
@@ -1148,12 +1183,14 @@ def evaluate_cuda_compat(driver_cuda: str | None, torch_cuda: str | None) -> Che
             f"driver supports CUDA {driver_cuda} >= torch's CUDA {torch_cuda}",
             **details,
         )
-    older = f"cu{drv[0]}{drv[1]}" if drv[0] >= 12 else "cu118"
-    fix = (
-        f"update the NVIDIA driver (>= {_MIN_DRIVER.get(built[0], 'the latest')} for CUDA "
-        f"{built[0]}), or install torch built for CUDA <= {driver_cuda}: pip install "
-        f"--force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/{older}"
-    )
+    minimum = _MIN_DRIVER.get(built[0], "the latest")
+    fix = f"update the NVIDIA driver (>= {minimum} for CUDA {built[0]})"
+    index = wheel_index(None, driver_cuda)
+    if index is not None:
+        fix += (
+            f", or install torch built for CUDA <= {driver_cuda}: pip install --force-reinstall "
+            f"torch torchvision --index-url {index}"
+        )
     if drv[0] == built[0]:
         return _check(
             "driver.cuda_compat",
@@ -1198,7 +1235,9 @@ def _classify_hub_error(exc: BaseException, timeout_s: float, token: str | None)
 
     if isinstance(exc, TimeoutError):
         return "unreachable", f"no answer within {timeout_s:.0f} s"
-    text = _redact(_first_line(str(exc)) or type(exc).__name__, token)
+    # The client's messages run over several lines ("401 Client Error." then the reason).
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    text = _redact(text if len(text) <= 200 else text[:197] + "...", token) or type(exc).__name__
     if isinstance(exc, errors.GatedRepoError):
         return "gated", text
     if isinstance(exc, errors.RevisionNotFoundError):
@@ -1398,7 +1437,7 @@ def _local_checks(plan: _Plan, env: Env, hub: _HubFacts, ranks: int) -> list[Che
     ckpt_bytes, ckpt_note = checkpoint_estimate(plan.model, plan.epochs, plan.save_period)
     unknown = None
     if plan.dataset is not None and hub.dataset_size is None:
-        unknown = f"dataset size unknown ({hub.dataset_error or hub.dataset})"
+        unknown = "dataset size unknown"
     needs = disk_needs(
         runs_dir=plan.runs_dir,
         checkpoints=(ckpt_bytes, ckpt_note),
@@ -1409,9 +1448,23 @@ def _local_checks(plan: _Plan, env: Env, hub: _HubFacts, ranks: int) -> list[Che
         unknown=unknown,
     )
     mounts = read_mounts()
-    usage = {n.path: fs_usage(n.path, mounts) for n in needs}
-    checks = evaluate_disk(needs, usage, strict=not plan.generic)
-    checks.append(evaluate_hf_home(_existing(hf_home), mounts))
+    usage: dict[Path, FsUsage] = {}
+    unmeasured = []
+    for need in needs:
+        try:
+            usage[need.path] = fs_usage(need.path, mounts)
+        except OSError as exc:
+            unmeasured.append(
+                _check(
+                    f"disk.{need.role}",
+                    WARN,
+                    f"cannot measure {need.path}: {exc}",
+                    "check that the agent can read the path (permissions, mount)",
+                )
+            )
+    checks = evaluate_disk([n for n in needs if n.path in usage], usage, strict=not plan.generic)
+    checks += unmeasured
+    checks.append(evaluate_hf_home(hf_home, mounts, resolved=_existing(hf_home)))
 
     try:
         shm: int | None = shutil.disk_usage("/dev/shm").total
@@ -1437,7 +1490,7 @@ def _local_checks(plan: _Plan, env: Env, hub: _HubFacts, ranks: int) -> list[Che
             limit=limits.memory_bytes,
         )
     )
-    cpus = float(len(os.sched_getaffinity(0)))
+    cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     if limits.cpus is not None:
         cpus = min(cpus, limits.cpus)
     checks.append(evaluate_cpu(cpus, workers=plan.workers, ranks=ranks))
@@ -1492,6 +1545,8 @@ class DiskNeed:
     parts: tuple[tuple[str, int], ...]
     #: Why part of the need could not be sized (then at most a warning, never a pass).
     unknown: str | None = None
+    #: How an estimate was worked out (goes into the check's details).
+    note: str | None = None
 
 
 def disk_needs(
@@ -1512,13 +1567,13 @@ def disk_needs(
     if dataset_dest is not None:
         if archive_bytes is not None:
             factor = unpack_factor(archive_name)
-            what = f"unpacked dataset (estimate: archive x{factor:g})"
+            what = f"unpacked (estimate: archive x{factor:g})"
             parts = ((what, int(archive_bytes * factor)),)
         else:
             parts = ()
         needs.append(DiskNeed("dataset", dataset_dest, parts, unknown))
     ckpt_bytes, note = checkpoints
-    needs.append(DiskNeed("runs", runs_dir, ((f"checkpoints: {note}", ckpt_bytes),)))
+    needs.append(DiskNeed("runs", runs_dir, (("checkpoints (estimate)", ckpt_bytes),), note=note))
     return needs
 
 
@@ -1594,8 +1649,8 @@ def evaluate_disk(
         unknown = next((n.unknown for n in sharing if n.unknown), None)
         parts = " + ".join(f"{what} {format_bytes(b)}" for n in sharing for what, b in n.parts)
         value = (
-            f"{format_bytes(fs.free)} free on {fs.mount} for {need.path}; needs "
-            f"{format_bytes(required)} = ({parts or 'nothing known'}) x {DISK_HEADROOM:g}"
+            f"{format_bytes(fs.free)} free on {fs.mount}; needs {format_bytes(required)} = "
+            f"({parts or 'nothing known'}) x {DISK_HEADROOM:g}"
         )
         if others:
             value += f" (shared with {', '.join(others)})"
@@ -1608,6 +1663,7 @@ def evaluate_disk(
             "required_bytes": required,
             "parts": {what: b for n in sharing for what, b in n.parts},
             "shared_with": others,
+            "estimates": [n.note for n in sharing if n.note],
         }
         if fs.free < required:
             status = FAIL if strict else WARN
@@ -1664,14 +1720,18 @@ def find_volumes(
 
 
 def evaluate_hf_home(
-    hf_home: Path, mounts: Sequence[MountInfo], is_dir: Callable[[str], bool] = os.path.isdir
+    hf_home: Path,
+    mounts: Sequence[MountInfo],
+    *,
+    resolved: Path | None = None,
+    is_dir: Callable[[str], bool] = os.path.isdir,
 ) -> Check:
     """Warn when ``HF_HOME`` sits on the container's ephemeral overlay while a volume exists.
 
-    ``hf_home`` must be absolute with symlinks resolved (the caller does it: this function does
-    not touch the file system beyond ``is_dir`` on mount points).
+    ``resolved`` is where ``hf_home`` really is (symlinks resolved, or its nearest existing
+    parent); this function touches the file system only through ``is_dir`` on mount points.
     """
-    mount = mount_of(hf_home, mounts)
+    mount = mount_of(resolved or hf_home, mounts)
     volumes = find_volumes(mounts, is_dir)
     fstype = mount.fstype if mount else "unknown"
     where = f"{hf_home} is on {mount.mountpoint if mount else '?'} ({fstype})"
@@ -1790,18 +1850,21 @@ def evaluate_cpu(cpus: float, *, workers: int | None, ranks: int) -> Check:
     w = DEFAULT_WORKERS if workers is None else workers
     needed = ranks * (w + 1)
     shown = f"{cpus:g} CPU{'s' * (cpus != 1)}"
-    wtext = f"{w} workers" + (" (LibreYOLO's default, up to 8)" if workers is None else "")
+    wtext = f"{w} workers" + (", LibreYOLO's default" if workers is None else "")
     details = {"cpus": cpus, "workers": w, "ranks": ranks, "needed": needed}
     if cpus < needed:
         fit = max(0, int(cpus // ranks) - 1)
         return _check(
             "cpu",
             WARN,
-            f"{shown} for {ranks} process{'es' * (ranks != 1)} x (1 + {wtext}) = {needed}",
+            f"{shown}; training wants {needed}: {ranks} process{'es' * (ranks != 1)} x "
+            f"(1 + {wtext})",
             f"set train.workers={fit} to avoid oversubscribing the CPUs",
             **details,
         )
-    return _check("cpu", PASS, f"{shown} for {ranks} x (1 + {wtext})", **details)
+    return _check(
+        "cpu", PASS, f"{shown}; training wants {needed}: {ranks} x (1 + {wtext})", **details
+    )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ Config keys (all optional):
 
 ``matmul_n``
     Side of the square float32 matmul run on every GPU (default 2000).
+``matmul_tolerance``
+    Largest ``max |gpu - cpu| / max |cpu|`` of a good matmul (default 5e-3); the NCCL step
+    leaves out GPUs whose matmul failed.
 ``nccl_devices``
     GPU indices to all-reduce across through NCCL (``torch.distributed``), or ``"all"``;
     nothing runs with fewer than two.
@@ -45,6 +48,7 @@ STAGE_PREFIX = "libreyolo-agent-probe: stage "
 #: Seconds kept back from the parent's deadline so a timed-out NCCL step is still reported.
 _DEADLINE_MARGIN_S = 2.0
 _MAX_TEXT = 2000
+_TORCH_DIR = f"{os.sep}torch{os.sep}"
 
 
 def _stage(name: str) -> None:
@@ -114,7 +118,11 @@ def _probe_into(doc: dict[str, Any], config: dict[str, Any], deadline: float) ->
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _cuda(doc, torch, config, deadline)
-    doc["warnings"] = _unique(str(w.message).strip() for w in caught)
+    # The recording is process-wide: keep torch's own warnings ("driver too old", "GPU not
+    # compatible"), not what the libreyolo import thread triggers meanwhile (torchvision...).
+    doc["warnings"] = _unique(
+        str(w.message).strip() for w in caught if _TORCH_DIR in os.path.normpath(w.filename)
+    )
 
     if lib_thread is not None:
         _stage("libreyolo")
@@ -169,6 +177,7 @@ def _cuda(doc: dict[str, Any], torch: Any, config: dict[str, Any], deadline: flo
         if inputs is None:
             inputs = _matmul_inputs(torch, n)
         dev["matmul"] = _matmul(torch, i, *inputs)
+        dev["matmul"]["ok"] = _matmul_ok(dev["matmul"], float(config.get("matmul_tolerance", 5e-3)))
 
     spec = config.get("nccl_devices") or []
     nccl_devices = list(range(cuda["device_count"])) if spec == "all" else [int(d) for d in spec]
@@ -202,6 +211,12 @@ def _matmul(torch: Any, index: int, a: Any, b: Any, ref: Any) -> dict[str, Any]:
     return out
 
 
+def _matmul_ok(result: dict[str, Any], tolerance: float) -> bool:
+    if "error" in result or not result.get("finite"):
+        return False
+    return bool(result["max_abs_err"] <= tolerance * max(result["ref_max_abs"], 1e-30))
+
+
 def _nccl_step(
     doc: dict[str, Any], torch: Any, devices: list[int], deadline: float
 ) -> dict[str, Any]:
@@ -209,7 +224,7 @@ def _nccl_step(
     missing = [d for d in devices if d >= count]
     if missing:
         return {"skipped": f"GPU(s) {missing} not visible ({count} visible)"}
-    broken = [d["index"] for d in doc["devices"] if "error" in d.get("matmul", {"error": 1})]
+    broken = [d["index"] for d in doc["devices"] if not d.get("matmul", {}).get("ok")]
     if any(d in broken for d in devices):
         return {"skipped": f"GPU(s) {sorted(set(devices) & set(broken))} failed their matmul"}
     try:

@@ -240,6 +240,11 @@ class SyncEngine:
         queued = 0
         n = status.completed_epochs if status else None
         if run_dir is not None:
+            # The trainer has exited: every epoch file on disk is final, seen or not (a
+            # restarted agent, epochs that went by between two reads of status.json, or a
+            # failed run whose status.json has no completed_epochs). Torn ones fail the zip check.
+            on_disk = epoch_snapshots(run_dir)
+            self.last_epoch_seen = max(self.last_epoch_seen, n or 0, *on_disk, 0)
             weights = run_dir / "weights"
             for name in ("last.pt", "best.pt"):
                 kind = name.removesuffix(".pt")
@@ -430,6 +435,7 @@ class SyncEngine:
                 "at": self._clock(),
                 "error": error,
                 "attempt": item.attempts,
+                "retryable": retryable,
             }
         )
         del self.failures[:-20]

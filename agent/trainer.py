@@ -144,6 +144,9 @@ def classify(
         if status is not None and status.state == "failed":
             return Outcome("runtime", 0, message or "status.json says failed")
         return Outcome("completed", 0, "training completed")
+    if exit_code == -signal.SIGINT and err_type == "KeyboardInterrupt":
+        # A Python trainer that lets KeyboardInterrupt escape dies *by* SIGINT, not with 130.
+        return Outcome("interrupted", exit_code, "stopped with SIGINT")
     if exit_code < 0:
         sig = -exit_code
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
@@ -204,16 +207,19 @@ class Trainer:
         ``posix_spawn`` rather than asyncio's subprocess: an asyncio subprocess transport kills
         its child when it is closed or garbage-collected, and the trainer must outlive the agent.
         """
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        cwd.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        log_fd = -1
         try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            cwd.mkdir(parents=True, exist_ok=True)
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
-            raise TrainerError(f"cannot open {exc.filename}: {exc.strerror}") from exc
+            if log_fd >= 0:
+                os.close(log_fd)
+            raise TrainerError(f"cannot create {exc.filename}: {exc.strerror}") from exc
         try:
             os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {' '.join(argv)}\n".encode())
             # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.

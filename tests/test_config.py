@@ -1,0 +1,928 @@
+"""The job file: every mistake is a ConfigError naming its key, never another exception."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.config import (
+    ConfigError,
+    DatasetSection,
+    Env,
+    Job,
+    JobSection,
+    LimitsSection,
+    PreflightSection,
+    ServerSection,
+    SyncSection,
+    TeardownSection,
+    TrainSection,
+    format_duration,
+    job_from_dict,
+    load_job,
+    parse_duration,
+    parse_job,
+)
+from agent.trainer import build_argv
+
+# --------------------------------------------------------------------------------------------
+# A tiny TOML writer: enough to turn any dict of TOML-representable values into a document.
+
+
+def _toml_str(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, dt.datetime | dt.date | dt.time):
+        return v.isoformat()
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_str(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"not representable in TOML: {v!r}")
+
+
+def to_toml(doc: dict[str, Any]) -> str:
+    """Top-level scalars first, then one ``["section"]`` table per dict (nested dicts inline)."""
+    lines = [
+        f"{_toml_str(k)} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)
+    ]
+    for name, table in doc.items():
+        if isinstance(table, dict):
+            lines.append(f"[{_toml_str(name)}]")
+            lines.extend(f"{_toml_str(k)} = {_toml_value(v)}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+def test_toml_writer_round_trips_through_tomllib() -> None:
+    doc = {
+        "top": 1,
+        "train": {
+            "data": 'a "quoted"\\ path\n\x01',
+            "x": [1, 2.5, "s", {"k": True}],
+            "when": dt.datetime(2024, 1, 2, 3, 4, 5, 6),
+            "neg": -0.5,
+        },
+        "empty": {},
+    }
+    assert tomllib.loads(to_toml(doc)) == doc
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+DATA = "/data/set/data.yaml"
+BASE_DIR = Path("/jobs/example")
+
+
+def base_doc() -> dict[str, Any]:
+    """The smallest valid job."""
+    return {"train": {"data": DATA}}
+
+
+def with_section(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    doc = base_doc()
+    doc.setdefault(section, {}).update(values)
+    return doc
+
+
+def parse(doc: dict[str, Any]) -> Job:
+    return parse_job(to_toml(doc), source="job.toml", base_dir=BASE_DIR)
+
+
+def config_error(doc: dict[str, Any]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse(doc)
+    return info.value
+
+
+def assert_names_key(exc: ConfigError, key: str) -> None:
+    assert exc.key == key, f"error {exc} names {exc.key!r}, expected {key!r}"
+    assert key in str(exc)
+
+
+VALID_DATASET = {"repo": "my-org/my-dataset", "file": "my-dataset.tar"}
+VALID_SYNC = {"target": "file:///mnt/backup/run1"}
+
+# --------------------------------------------------------------------------------------------
+# Errors name their key
+
+
+@pytest.mark.parametrize("section", ["trian", "Job", "limit", "notify_me", "tearDown"])
+def test_unknown_section_is_named(section: str) -> None:
+    doc = base_doc()
+    doc[section] = {"x": 1}
+    assert_names_key(config_error(doc), section)
+
+
+def test_unknown_top_level_scalar_is_named() -> None:
+    doc: dict[str, Any] = base_doc()
+    doc["epochs"] = 10
+    assert_names_key(config_error(doc), "epochs")
+
+
+UNKNOWN_KEYS = [
+    ("job", {"nmae": "run1"}, "job.nmae"),
+    ("job", {"runs-dir": "runs"}, "job.runs-dir"),
+    ("dataset", {**VALID_DATASET, "repo_id": "a/b"}, "dataset.repo_id"),
+    ("sync", {**VALID_SYNC, "tagret": "x"}, "sync.tagret"),
+    ("sync", {**VALID_SYNC, "every_epoch": 5}, "sync.every_epoch"),
+    ("limits", {"max_run_time": "1h"}, "limits.max_run_time"),
+    ("limits", {"budget": 5}, "limits.budget"),
+    ("teardown", {"provder": "none"}, "teardown.provder"),
+    ("server", {"port": 8421}, "server.port"),
+    ("preflight", {"enable": True}, "preflight.enable"),
+]
+
+
+@pytest.mark.parametrize(("section", "values", "key"), UNKNOWN_KEYS)
+def test_unknown_key_in_each_section_is_named(
+    section: str, values: dict[str, Any], key: str
+) -> None:
+    exc = config_error(with_section(section, values))
+    assert_names_key(exc, key)
+    assert "unknown key" in str(exc)
+
+
+@pytest.mark.parametrize("key", ["bad-key", "1epochs", "a.b", "with space", ""])
+def test_train_option_that_is_not_a_name_is_named(key: str) -> None:
+    assert_names_key(config_error(with_section("train", {key: 1})), f"train.{key}")
+
+
+WRONG_TYPES = [
+    ("job", {"name": 5}, "job.name"),
+    ("job", {"name": ""}, "job.name"),
+    ("job", {"name": "a/b"}, "job.name"),
+    ("job", {"name": ".."}, "job.name"),
+    ("job", {"runs_dir": 5}, "job.runs_dir"),
+    ("job", {"stop_trainer_on_exit": "yes"}, "job.stop_trainer_on_exit"),
+    ("job", {"stop_trainer_on_exit": 1}, "job.stop_trainer_on_exit"),
+    ("dataset", {**VALID_DATASET, "doctor": "no"}, "dataset.doctor"),
+    ("dataset", {**VALID_DATASET, "revision": 3}, "dataset.revision"),
+    ("dataset", {**VALID_DATASET, "dest": ["a"]}, "dataset.dest"),
+    ("dataset", {"repo": "justaname", "file": "x.tar"}, "dataset.repo"),
+    ("dataset", {"repo": "a/b/c", "file": "x.tar"}, "dataset.repo"),
+    ("dataset", {"repo": "/a", "file": "x.tar"}, "dataset.repo"),
+    ("sync", {**VALID_SYNC, "every_epochs": "10"}, "sync.every_epochs"),
+    ("sync", {**VALID_SYNC, "every_epochs": 2.5}, "sync.every_epochs"),
+    ("sync", {**VALID_SYNC, "every_epochs": True}, "sync.every_epochs"),
+    ("sync", {**VALID_SYNC, "every_epochs": 0}, "sync.every_epochs"),
+    ("sync", {**VALID_SYNC, "private": 1}, "sync.private"),
+    ("sync", {"target": 5}, "sync.target"),
+    ("limits", {"budget_usd": True, "price_usd_per_hour": 1}, "limits.budget_usd"),
+    ("limits", {"budget_usd": "50", "price_usd_per_hour": 1}, "limits.budget_usd"),
+    ("limits", {"budget_usd": 0, "price_usd_per_hour": 1}, "limits.budget_usd"),
+    ("limits", {"budget_usd": -5, "price_usd_per_hour": 1}, "limits.budget_usd"),
+    ("limits", {"budget_usd": math.inf, "price_usd_per_hour": 1}, "limits.budget_usd"),
+    ("limits", {"price_usd_per_hour": False}, "limits.price_usd_per_hour"),
+    ("limits", {"price_usd_per_hour": -1}, "limits.price_usd_per_hour"),
+    ("limits", {"price_usd_per_hour": math.nan}, "limits.price_usd_per_hour"),
+    ("teardown", {"on_success": "explode"}, "teardown.on_success"),
+    ("teardown", {"on_failure": 1}, "teardown.on_failure"),
+    ("teardown", {"on_preflight_failure": "Destroy"}, "teardown.on_preflight_failure"),
+    ("teardown", {"require_verified_sync": "false"}, "teardown.require_verified_sync"),
+    ("teardown", {"provider": 3}, "teardown.provider"),
+    ("teardown", {"provider": "aws"}, "teardown.provider"),
+    ("server", {"listen": 8421}, "server.listen"),
+    ("preflight", {"enabled": "true"}, "preflight.enabled"),
+    ("preflight", {"allow_cpu": 0}, "preflight.allow_cpu"),
+    ("train", {"epochs": 0}, "train.epochs"),
+    ("train", {"epochs": "10"}, "train.epochs"),
+    ("train", {"epochs": 2.5}, "train.epochs"),
+    ("train", {"epochs": True}, "train.epochs"),
+    ("train", {"batch": [1, 2]}, "train.batch"),
+    ("train", {"augment": {"mosaic": 1.0}}, "train.augment"),
+    ("train", {"lr0": math.nan}, "train.lr0"),
+    ("train", {"when": dt.date(2024, 1, 1)}, "train.when"),
+    ("train", {"model": "two\nlines"}, "train.model"),
+    # Device lists need LibreYOLO's Python API, which the agent cannot launch yet.
+    ("train", {"device": "0,1"}, "train.device"),
+]
+
+
+@pytest.mark.parametrize(("section", "values", "key"), WRONG_TYPES)
+def test_wrong_type_or_value_is_named(section: str, values: dict[str, Any], key: str) -> None:
+    assert_names_key(config_error(with_section(section, values)), key)
+
+
+@pytest.mark.parametrize("section", ["job", "train", "dataset", "sync", "limits", "server"])
+def test_section_that_is_not_a_table_is_named(section: str) -> None:
+    doc: dict[str, Any] = {} if section == "train" else base_doc()
+    doc[section] = "oops"
+    assert_names_key(config_error(doc), section)
+
+
+DURATION_KEYS = [
+    ("limits", "max_runtime"),
+    ("limits", "stall_timeout"),
+    ("sync", "upload_timeout"),
+    ("sync", "max_backoff"),
+    ("sync", "finish_timeout"),
+    ("preflight", "timeout"),
+    ("train", "stop_grace"),
+    ("train", "kill_grace"),
+]
+BAD_DURATIONS = ["12x", "-5m", "", "h", "0s", True, 0, -5, "1h30", "12 h", "5m-1s", math.inf]
+
+
+@pytest.mark.parametrize("bad", BAD_DURATIONS, ids=repr)
+@pytest.mark.parametrize(("section", "key"), DURATION_KEYS)
+def test_bad_duration_is_named(section: str, key: str, bad: object) -> None:
+    values: dict[str, Any] = {key: bad}
+    if section == "sync":
+        values.update(VALID_SYNC)
+    assert_names_key(config_error(with_section(section, values)), f"{section}.{key}")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("12h", 43200.0),
+        ("20m", 1200.0),
+        ("1h30m", 5400.0),
+        ("45s", 45.0),
+        ("2d", 172800.0),
+        ("1d2h3m4s", 93784.0),
+        ("1.5h", 5400.0),
+        (" 20M ", 1200.0),
+        (90, 90.0),
+        (2.5, 2.5),
+    ],
+)
+def test_valid_durations_are_seconds(text: object, seconds: float) -> None:
+    assert parse_duration("limits.max_runtime", text) == seconds
+    job = parse(with_section("limits", {"max_runtime": text}))
+    assert job.limits.max_runtime_s == seconds
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(5400, "1h30m"), (45, "45s"), (0, "0s"), (90000, "1d1h"), (60, "1m")]
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        ({}, "train.data"),
+        ({"train": {"epochs": 3}}, "train.data"),
+        ({"train": {"data": DATA}, "dataset": {"file": "x.tar"}}, "dataset.repo"),
+        ({"train": {"data": DATA}, "dataset": {"repo": "a/b"}}, "dataset.file"),
+        ({"train": {"data": DATA}, "sync": {"every_epochs": 2}}, "sync.target"),
+        # A dataset without data_yaml does not say where the YAML is.
+        ({"dataset": VALID_DATASET}, "train.data"),
+    ],
+)
+def test_missing_required_value_is_named(doc: dict[str, Any], key: str) -> None:
+    exc = config_error(doc)
+    assert_names_key(exc, key)
+    assert "required" in str(exc)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://example.com/backup",
+        "https://huggingface.co/my-org/my-run",
+        "file://relative/path",
+        "file:relative/path",
+        "file://host/abs/path",
+        "hf://onlyorg",
+        "hf://org/repo/extra",
+        "s3://bucket/run1",
+        "/mnt/backup/run1",
+        " ",
+    ],
+)
+def test_bad_sync_target_is_named(target: str) -> None:
+    assert_names_key(config_error(with_section("sync", {"target": target})), "sync.target")
+
+
+@pytest.mark.parametrize("target", ["file:///mnt/backup/run1", "hf://my-org/my-run"])
+def test_good_sync_targets(target: str) -> None:
+    job = parse(with_section("sync", {"target": target}))
+    assert job.sync is not None and job.sync.target == target
+
+
+def test_sync_target_location() -> None:
+    hf = parse(with_section("sync", {"target": "hf://my-org/my-run"})).sync
+    local = parse(with_section("sync", {"target": "file:///mnt/b/run1"})).sync
+    assert hf is not None and (hf.scheme, hf.location) == ("hf", "my-org/my-run")
+    assert local is not None and (local.scheme, local.location) == ("file", "/mnt/b/run1")
+
+
+def test_sync_target_with_a_bracket_is_a_config_error_not_a_value_error() -> None:
+    # urlparse raises ValueError ("Invalid IPv6 URL") on an unmatched '['.
+    assert_names_key(
+        config_error(with_section("sync", {"target": "hf://[org/repo"})), "sync.target"
+    )
+
+
+def test_sync_target_with_fullwidth_slash_is_a_config_error_not_a_value_error() -> None:
+    # urlparse raises ValueError for a netloc that NFKC-normalizes to contain '/'.
+    doc = with_section("sync", {"target": "hf://org\uff0frepo/x"})
+    assert_names_key(config_error(doc), "sync.target")
+
+
+@pytest.mark.parametrize("key", ["project", "name", "json"])
+def test_reserved_train_keys_are_refused(key: str) -> None:
+    exc = config_error(with_section("train", {key: "x"}))
+    assert_names_key(exc, f"train.{key}")
+    assert "set by the agent" in str(exc)
+
+
+def test_budget_without_price_names_the_price() -> None:
+    exc = config_error(with_section("limits", {"budget_usd": 50}))
+    assert_names_key(exc, "limits.price_usd_per_hour")
+    assert "budget_usd" in str(exc)
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [
+        "8421",
+        "localhost",
+        "127.0.0.1:",
+        ":8421",
+        "127.0.0.1:70000",
+        "127.0.0.1:http",
+        "127.0.0.1:-1",
+        "",
+    ],
+)
+def test_bad_listen_is_named(listen: str) -> None:
+    assert_names_key(config_error(with_section("server", {"listen": listen})), "server.listen")
+
+
+def test_listen_with_a_non_ascii_digit_port_is_a_config_error_not_a_value_error() -> None:
+    # "²".isdigit() is True but int("²") raises ValueError.
+    doc = with_section("server", {"listen": "127.0.0.1:\u00b2"})
+    assert_names_key(config_error(doc), "server.listen")
+
+
+@pytest.mark.parametrize(
+    ("listen", "host", "port"),
+    [("127.0.0.1:8421", "127.0.0.1", 8421), ("[::1]:0", "::1", 0), ("0.0.0.0:80", "0.0.0.0", 80)],
+)
+def test_good_listen(listen: str, host: str, port: int) -> None:
+    assert parse(with_section("server", {"listen": listen})).server == ServerSection(host, port)
+
+
+@pytest.mark.parametrize("provider", ["vast", "runpod", "lambda", "command"])
+def test_planned_provider_says_not_built_yet(provider: str) -> None:
+    exc = config_error(with_section("teardown", {"provider": provider}))
+    assert_names_key(exc, "teardown.provider")
+    assert "not built yet" in str(exc)
+    assert provider in str(exc)
+
+
+def test_huge_integer_budget_is_a_config_error_not_an_overflow() -> None:
+    # tomllib accepts integers of any size; math.isfinite(10**400) raises OverflowError.
+    doc = with_section("limits", {"budget_usd": 10**400, "price_usd_per_hour": 1})
+    assert_names_key(config_error(doc), "limits.budget_usd")
+
+
+def test_huge_integer_duration_is_a_config_error_not_an_overflow() -> None:
+    # float(10**400) raises OverflowError.
+    assert_names_key(
+        config_error(with_section("limits", {"max_runtime": 10**400})), "limits.max_runtime"
+    )
+
+
+def test_runs_dir_with_unknown_user_tilde_is_a_config_error_not_a_runtime_error() -> None:
+    # Path("~nosuchuser/x").expanduser() raises RuntimeError.
+    doc = with_section("job", {"runs_dir": "~no-such-user-libreyolo/runs"})
+    assert_names_key(config_error(doc), "job.runs_dir")
+
+
+def test_deeply_nested_toml_is_a_config_error_not_a_recursion_error() -> None:
+    # tomllib parses nested arrays recursively: 5000 levels raise RecursionError.
+    with pytest.raises(ConfigError) as info:
+        parse_job("x = " + "[" * 5000, source="job.toml")
+    assert info.value.key == "job.toml"
+
+
+def test_invalid_toml_names_the_file() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_job("[train\ndata = 1", source="/jobs/bad.toml")
+    assert_names_key(info.value, "/jobs/bad.toml")
+    assert "not valid TOML" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# A valid job
+
+FULL_JOB = """
+[job]
+name = "run1"
+runs_dir = "runs"
+stop_trainer_on_exit = true
+
+[train]
+model = "yolox-n"
+epochs = 100
+batch = -1
+imgsz = 640
+pretrained = false
+lr0 = 0.01
+device = "0"
+save_period = 10
+stop_grace = "2m"
+kill_grace = 30
+
+[dataset]
+repo = "my-org/my-dataset"
+file = "my-dataset.tar"
+revision = "v1"
+dest = "data"
+doctor = true
+data_yaml = "my-dataset/data.yaml"
+
+[sync]
+target = "hf://my-org/my-run"
+every_epochs = 10
+private = false
+upload_timeout = "5m"
+max_backoff = "1m"
+finish_timeout = "30m"
+
+[limits]
+max_runtime = "12h"
+stall_timeout = "20m"
+budget_usd = 50
+price_usd_per_hour = 3.48
+
+[teardown]
+provider = "none"
+on_success = "destroy"
+on_failure = "stop"
+on_preflight_failure = "keep"
+require_verified_sync = false
+
+[server]
+listen = "127.0.0.1:0"
+
+[preflight]
+enabled = true
+allow_cpu = true
+timeout = "90s"
+"""
+
+
+def test_full_job_round_trips_to_the_expected_dataclasses(tmp_path: Path) -> None:
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    folder = folder.resolve()
+    path = folder / "job.toml"
+    path.write_text(FULL_JOB, encoding="utf-8")
+    job = load_job(path)
+    expected = Job(
+        job=JobSection(name="run1", runs_dir=folder / "runs", stop_trainer_on_exit=True),
+        train=TrainSection(
+            args=(
+                ("model", "yolox-n"),
+                ("epochs", 100),
+                ("batch", -1),
+                ("imgsz", 640),
+                ("pretrained", False),
+                ("lr0", 0.01),
+                ("device", "0"),
+                ("save_period", 10),
+                ("data", str(folder / "data" / "my-dataset" / "data.yaml")),
+            ),
+            stop_grace_s=120.0,
+            kill_grace_s=30.0,
+        ),
+        dataset=DatasetSection(
+            repo="my-org/my-dataset",
+            file="my-dataset.tar",
+            revision="v1",
+            dest=folder / "data",
+            doctor=True,
+            data_yaml="my-dataset/data.yaml",
+        ),
+        sync=SyncSection(
+            target="hf://my-org/my-run",
+            every_epochs=10,
+            private=False,
+            upload_timeout_s=300.0,
+            max_backoff_s=60.0,
+            finish_timeout_s=1800.0,
+        ),
+        limits=LimitsSection(
+            max_runtime_s=43200.0,
+            stall_timeout_s=1200.0,
+            budget_usd=50.0,
+            price_usd_per_hour=3.48,
+        ),
+        teardown=TeardownSection(
+            provider="none",
+            on_success="destroy",
+            on_failure="stop",
+            on_preflight_failure="keep",
+            require_verified_sync=False,
+        ),
+        server=ServerSection(host="127.0.0.1", port=0),
+        preflight=PreflightSection(enabled=True, allow_cpu=True, timeout_s=90.0),
+        source=str(path),
+    )
+    assert job == expected
+    assert job.train.epochs == 100
+
+
+def test_defaults_of_a_minimal_job() -> None:
+    job = parse(base_doc())
+    assert job.job == JobSection(name="run1", runs_dir=BASE_DIR / "runs")
+    assert job.train.args == (("data", DATA),)
+    assert (job.train.stop_grace_s, job.train.kill_grace_s) == (60.0, 10.0)
+    assert job.dataset is None and job.sync is None
+    assert job.limits == LimitsSection()
+    assert job.teardown == TeardownSection()
+    assert job.server == ServerSection("127.0.0.1", 8421)
+    assert job.preflight == PreflightSection()
+
+
+def test_relative_paths_resolve_against_the_job_files_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (folder / "job.toml").write_text(
+        to_toml(
+            {
+                "job": {"runs_dir": "out/runs"},
+                "train": {"data": DATA},
+                "dataset": {**VALID_DATASET, "dest": "../datasets"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    job = load_job(Path("..") / "jobs" / "job.toml")
+    assert job.job.runs_dir == folder.resolve() / "out" / "runs"
+    assert job.job.runs_dir.is_absolute()
+    assert job.dataset is not None
+    assert job.dataset.dest.resolve() == (tmp_path / "datasets").resolve()
+    assert job.dataset.dest.is_absolute()
+
+
+def test_absolute_paths_are_kept() -> None:
+    job = parse(with_section("job", {"runs_dir": "/root/runs"}))
+    assert job.job.runs_dir == Path("/root/runs")
+
+
+def test_relative_train_data_that_exists_beside_the_job_file_is_resolved(tmp_path: Path) -> None:
+    # The trainer runs with cwd=job.runs_dir, so `data = "datasets/mine.yaml"` written next to
+    # the job file would be looked up in the runs folder unless the agent resolves it.
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "mine.yaml").write_text("path: .\n", encoding="utf-8")
+    (tmp_path / "job.toml").write_text(
+        to_toml({"train": {"data": "datasets/mine.yaml"}}), encoding="utf-8"
+    )
+    job = load_job(tmp_path / "job.toml")
+    assert job.train.get("data") == str(tmp_path / "datasets" / "mine.yaml")
+
+
+def test_train_args_keep_job_file_order() -> None:
+    keys = ["imgsz", "model", "zeta", "data", "alpha", "epochs", "batch"]
+    doc = {"train": {k: (DATA if k == "data" else 1) for k in keys}}
+    doc["train"]["stop_grace"] = "1m"  # agent options are not passed on
+    job = parse(doc)
+    assert [k for k, _ in job.train.args] == keys
+
+
+def test_build_argv_formats_bools_and_appends_agent_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `libreyolo` on PATH, in case the venv has none beside its Python.
+    fake = tmp_path / "bin" / "libreyolo"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    job = parse(
+        {
+            "job": {"name": "exp", "runs_dir": "/root/runs"},
+            "train": {
+                "model": "yolox-n",
+                "data": DATA,
+                "pretrained": False,
+                "amp": True,
+                "lr0": 0.01,
+                "epochs": 3,
+            },
+        }
+    )
+    argv = build_argv(job)
+    assert Path(argv[0]).name == "libreyolo"
+    assert argv[1:] == [
+        "train",
+        "model=yolox-n",
+        f"data={DATA}",
+        "pretrained=false",
+        "amp=true",
+        "lr0=0.01",
+        "epochs=3",
+        "project=/root/runs",
+        "name=exp",
+        "json=true",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Files and environment
+
+
+def test_missing_job_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert_names_key(info.value, str(path))
+    assert "cannot read" in str(info.value)
+
+
+def test_job_file_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_job(tmp_path)
+    assert "cannot read" in str(info.value)
+
+
+def test_job_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(b'[train]\ndata = "\xff\xfe"\n')
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert "UTF-8" in str(info.value)
+
+
+def test_env_defaults_and_overrides() -> None:
+    env = Env.from_environ({})
+    assert env.state_dir == Path("/var/lib/libreyolo-agent")
+    assert env.hf_endpoint == "https://huggingface.co"
+    assert env.hf_token is None and env.hf_home is None
+    env = Env.from_environ(
+        {
+            "LIBREYOLO_AGENT_STATE_DIR": "/tmp/state",
+            "HF_ENDPOINT": "http://127.0.0.1:9999/",
+            "HF_HOME": "/vol/hf",
+            "HF_TOKEN": "hf_secret_value",
+        }
+    )
+    assert env.state_dir == Path("/tmp/state")
+    assert env.hf_endpoint == "http://127.0.0.1:9999"
+    assert env.hf_home == Path("/vol/hf")
+    assert env.hf_token == "hf_secret_value"
+    assert "hf_secret_value" not in repr(env)
+
+
+@pytest.mark.parametrize("endpoint", ["ftp://mirror", "127.0.0.1:9999", "http://[::1"])
+def test_bad_hf_endpoint_names_the_variable(endpoint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Env.from_environ({"HF_ENDPOINT": endpoint})
+    assert_names_key(info.value, "HF_ENDPOINT")
+
+
+# --------------------------------------------------------------------------------------------
+# `libreyolo-agent check`
+
+
+def run_check(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
+        "HOME": str(tmp_path),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+
+
+def test_check_bad_job_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(with_section("limits", {"max_runtime": "12x"})), encoding="utf-8")
+    proc = run_check(path, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "limits.max_runtime" in lines[0]
+    assert "'12x'" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_check_valid_job_exits_0(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(FULL_JOB, encoding="utf-8")
+    proc = run_check(path, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_missing_file_exits_2_with_a_clear_message(tmp_path: Path) -> None:
+    path = tmp_path / "missing.toml"
+    proc = run_check(path, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(path) in lines[0]
+    assert "cannot read" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Property: any document gives a Job or a ConfigError, never another exception
+
+KNOWN_KEYS: dict[str, list[str]] = {
+    "job": ["name", "runs_dir", "stop_trainer_on_exit"],
+    "train": ["data", "model", "epochs", "batch", "device", "stop_grace", "kill_grace", "project"],
+    "dataset": ["repo", "file", "revision", "dest", "doctor", "data_yaml"],
+    "sync": [
+        "target",
+        "every_epochs",
+        "private",
+        "upload_timeout",
+        "max_backoff",
+        "finish_timeout",
+    ],
+    "limits": ["max_runtime", "stall_timeout", "budget_usd", "price_usd_per_hour"],
+    "teardown": ["provider", "on_success", "on_failure", "on_preflight_failure"],
+    "server": ["listen"],
+    "preflight": ["enabled", "allow_cpu", "timeout"],
+}
+INTERESTING_STRINGS = [
+    "",
+    " ",
+    "12h",
+    "1h30m",
+    "0s",
+    "-5m",
+    "h",
+    "90",
+    "run1",
+    "a/b",
+    "..",
+    "~",
+    "~/runs",
+    "~no-such-user-libreyolo/x",
+    "org/repo",
+    "my-org/my-dataset",
+    "hf://org/repo",
+    "hf://onlyorg",
+    "hf://[org/repo",
+    "hf://org\uff0frepo/x",
+    "file:///abs",
+    "file://rel",
+    "http://x",
+    "127.0.0.1:8421",
+    "[::1]:0",
+    "127.0.0.1:\u00b2",
+    ":",
+    "none",
+    "vast",
+    "destroy",
+    "stop",
+    "keep",
+    "0,1",
+    "a\x00b",
+    "line\nbreak",
+]
+scalars = st.one_of(
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(INTERESTING_STRINGS),
+    st.dates(),
+    st.datetimes(),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+section_names = st.sampled_from([*KNOWN_KEYS, "notify", "trian"]) | st.text(max_size=8)
+
+
+@st.composite
+def key_for(draw: st.DrawFn, section: str) -> str:
+    known = KNOWN_KEYS.get(section, [])
+    if known and draw(st.booleans()):
+        return draw(st.sampled_from(known))
+    return draw(st.text(max_size=8))
+
+
+@st.composite
+def documents(draw: st.DrawFn) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for name in draw(st.lists(section_names, max_size=6, unique=True)):
+        if draw(st.integers(0, 9)) == 0:
+            doc[name] = draw(scalars)  # a section that is not a table
+            continue
+        table: dict[str, Any] = {}
+        for _ in range(draw(st.integers(0, 5))):
+            table[draw(key_for(name))] = draw(values)
+        doc[name] = table
+    return doc
+
+
+def check_outcome(text: str) -> None:
+    try:
+        job = parse_job(text, source="job.toml", base_dir=BASE_DIR)
+    except ConfigError as exc:
+        assert isinstance(exc.key, str) and exc.key in str(exc)
+        return
+    assert isinstance(job, Job)
+    assert job.train.get("data") is not None
+    assert not {k for k, _ in job.train.args} & {"project", "name", "json"}
+    for seconds in (
+        job.limits.max_runtime_s,
+        job.limits.stall_timeout_s,
+        job.train.stop_grace_s,
+        job.preflight.timeout_s,
+    ):
+        assert seconds is None or (math.isfinite(seconds) and seconds > 0)
+
+
+HYPOTHESIS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYPOTHESIS
+@given(documents())
+def test_random_documents_give_a_job_or_a_config_error(doc: dict[str, Any]) -> None:
+    check_outcome(to_toml(doc))
+
+
+@HYPOTHESIS
+@given(
+    st.sampled_from([(s, k) for s, keys in KNOWN_KEYS.items() for k in keys]),
+    values,
+)
+def test_random_value_for_each_known_key_gives_a_job_or_a_config_error(
+    section_key: tuple[str, str], value: Any
+) -> None:
+    section, key = section_key
+    doc: dict[str, Any] = {
+        "train": {"data": DATA},
+        "dataset": dict(VALID_DATASET),
+        "sync": dict(VALID_SYNC),
+        "limits": {"budget_usd": 10, "price_usd_per_hour": 1.0},
+    }
+    doc.setdefault(section, {})[key] = value
+    check_outcome(to_toml(doc))
+
+
+@HYPOTHESIS
+@given(st.text(max_size=200))
+def test_random_text_gives_a_job_or_a_config_error(text: str) -> None:
+    check_outcome(text)
+
+
+def test_job_from_dict_refuses_non_table_sections() -> None:
+    with pytest.raises(ConfigError) as info:
+        job_from_dict({"train": {"data": DATA}, "limits": [1, 2]})
+    assert_names_key(info.value, "limits")
