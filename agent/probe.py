@@ -115,9 +115,11 @@ def _probe_into(doc: dict[str, Any], config: dict[str, Any], deadline: float) ->
         )
         lib_thread.start()
 
+    t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _cuda(doc, torch, config, deadline)
+    timings["gpu"] = round(time.monotonic() - t0, 3)
     # The recording is process-wide: keep torch's own warnings ("driver too old", "GPU not
     # compatible"), not what the libreyolo import thread triggers meanwhile (torchvision...).
     doc["warnings"] = _unique(
@@ -126,7 +128,10 @@ def _probe_into(doc: dict[str, Any], config: dict[str, Any], deadline: float) ->
 
     if lib_thread is not None:
         _stage("libreyolo")
+        t0 = time.monotonic()
         lib_thread.join(max(0.0, deadline - _DEADLINE_MARGIN_S - time.monotonic()))
+        # What the libreyolo import adds to the probe's time beyond the GPU checks it overlaps.
+        timings["libreyolo_wait"] = round(time.monotonic() - t0, 3)
         doc["libreyolo"] = (
             dict(libreyolo) if libreyolo else {"error": "import of libreyolo did not finish"}
         )

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU proof behind docs/gpu-validation.md, run on a rented-style GPU box whose image already
+# has a CUDA torch (python3). Wheels for libreyolo and the few packages the image lacks are
+# expected in .whl/ (see docs/gpu-validation.md). Results go to $OUT (default ./gpu-out).
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/site" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
+agent() { python3 -m agent.cli "$@"; }
+now() { date +%s.%N; }
+{
+  echo "== machine"; nvidia-smi -L; nvidia-smi --query-gpu=driver_version,memory.total --format=csv
+  python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+  libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
+} 2>&1 | tee "$OUT/machine.txt"
+
+bare='import torch; a = torch.randn(2000, 2000, device="cuda"); b = a @ a; torch.cuda.synchronize(); print(float(b.abs().sum()))'
+echo "== timing: bare recipe vs preflight, alternated (first bare run warms the file cache)" | tee "$OUT/timing.txt"
+for i in 1 2 3; do
+  t0=$(now); python3 -c "$bare" >/dev/null; t1=$(now)
+  agent preflight --json > "$OUT/preflight.json"; rc=$?; t2=$(now)
+  python3 -c "b=$t1-$t0; p=$t2-$t1; print(f'round $i: bare {b:.2f}s  preflight {p:.2f}s (exit $rc)  ratio {p/b:.2f}')" | tee -a "$OUT/timing.txt"
+done
+agent preflight > "$OUT/preflight-table.txt" 2>&1
+
+echo "== demo job on the GPU" | tee "$OUT/demo.txt"
+( cd /tmp && agent run --demo-dir /tmp/demo ) >> "$OUT/demo.txt" 2>&1; echo "exit $?" >> "$OUT/demo.txt"
+grep -h '"device"' /tmp/demo/state/trainer-result.json >> "$OUT/demo.txt" 2>/dev/null
+
+echo "== stop mid-run on the GPU, then nothing holds the GPU" | tee "$OUT/stop.txt"
+python3 - <<'PY' >> "$OUT/stop.txt" 2>&1
+from agent import demo
+demo.make_dataset(__import__("pathlib").Path("/tmp/stopjob/data"))
+PY
+cat > /tmp/stopjob/job.toml <<TOML
+[job]
+name = "gpu-stop"
+runs_dir = "/tmp/stopjob/runs"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "/tmp/stopjob/data/data.yaml"
+epochs = 300
+imgsz = 64
+batch = 4
+workers = 2
+device = "0"
+[sync]
+target = "file:///tmp/stopjob/synced"
+[preflight]
+allow_cpu = false
+[server]
+listen = "127.0.0.1:8421"
+TOML
+export LIBREYOLO_AGENT_STATE_DIR=/tmp/stopjob/state
+agent run /tmp/stopjob/job.toml > "$OUT/stop-agent.log" 2>&1 &
+apid=$!
+for _ in $(seq 1 120); do
+  e=$(agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null)
+  [ "${e:-0}" -ge 3 ] && break; sleep 1
+done
+echo "before stop:" >> "$OUT/stop.txt"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/stop.txt"
+agent stop >> "$OUT/stop.txt" 2>&1
+wait $apid; echo "agent exit $?" >> "$OUT/stop.txt"
+sleep 1
+echo "after stop:" >> "$OUT/stop.txt"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/stop.txt"
+python3 -c 'import json; s=json.load(open("/tmp/stopjob/state/state.json")); print("reason", s["reason"], "|", s["outcome"], "|", s["cause"])' >> "$OUT/stop.txt"
+tail -n 25 "$OUT/stop-agent.log" >> "$OUT/stop.txt"
