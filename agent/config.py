@@ -207,6 +207,10 @@ class PreflightSection:
     allow_cpu: bool = False
     #: Seconds the torch probe may take before the GPU counts as hung.
     timeout_s: float = 120.0
+    #: Also import LibreYOLO's model classes (which import torchvision): catches a torchvision
+    #: built for another torch before training starts, but costs about 5 s on an H200 box.
+    #: Off, that mismatch still fails the first training launch at once, with LibreYOLO's message.
+    deep_import: bool = False
 
 
 @dataclass(frozen=True)
@@ -519,6 +523,7 @@ def job_from_dict(
         enabled=t.bool_("enabled", True),
         allow_cpu=t.bool_("allow_cpu", False),
         timeout_s=t.duration("timeout") or 120.0,
+        deep_import=t.bool_("deep_import", False),
     )
     t.finish()
 

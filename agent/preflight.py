@@ -385,6 +385,7 @@ async def run_preflight(
         "nccl_devices": nccl,
         "deadline_s": plan.timeout_s,
         "libreyolo": True,
+        "libreyolo_deep": bool(job and job.preflight.deep_import),
     }
     async with asyncio.TaskGroup() as tg:
         probe_task = tg.create_task(

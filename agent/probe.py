@@ -23,7 +23,10 @@ Config keys (all optional):
 ``deadline_s``
     Seconds the parent will wait; the NCCL step gives up on its own a little before that.
 ``libreyolo``
-    Import ``libreyolo`` and its model classes (default true).
+    Import ``libreyolo`` (default true).
+``libreyolo_deep``
+    Also import its model classes, which imports torchvision (default false; about 5 s on an
+    H200 box, overlapped with the GPU checks).
 """
 
 from __future__ import annotations
@@ -107,7 +110,10 @@ def _probe_into(doc: dict[str, Any], config: dict[str, Any], deadline: float) ->
     # CUDA start-up below, which mostly waits on the driver: overlap the two.
     libreyolo: dict[str, Any] = {}
     lib_thread: threading.Thread | None = None
-    if config.get("libreyolo", True):
+    if config.get("libreyolo", True) and not config.get("libreyolo_deep", False):
+        # Importable + version: cheap (libreyolo imports its heavy parts lazily).
+        doc["libreyolo"] = _libreyolo(deep=False)
+    elif config.get("libreyolo", True):
         lib_thread = threading.Thread(
             target=lambda: libreyolo.update(_libreyolo(deep=True)),
             name="probe-libreyolo",

@@ -193,6 +193,7 @@ class SyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._prepared = False
+        self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.failures: list[dict[str, Any]] = []
         self.uploads_done = 0
@@ -326,8 +327,9 @@ class SyncEngine:
         ]
 
     async def run(self) -> None:
-        """The worker: starts uploads for paths not in flight, respecting backoff."""
-        while True:
+        """The worker: starts uploads for paths not in flight, respecting backoff. Ends once
+        :meth:`close` was called (no upload may start after the executor is shut down)."""
+        while not self._closed:
             self._wake.clear()
             now = self._clock()
             next_due: float | None = None
@@ -517,7 +519,11 @@ class SyncEngine:
         }
 
     async def close(self) -> None:
-        """Cancel watchers; threads still sending are left to finish on their own."""
+        """Stop the worker, cancel watchers; threads still sending are left to finish on their
+        own."""
+        # Cancelled watchers free their paths and wake the worker: it must not start new uploads.
+        self._closed = True
+        self._wake.set()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

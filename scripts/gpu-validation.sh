@@ -66,4 +66,6 @@ wait $apid; echo "agent exit $?" >> "$OUT/stop.txt"
 sleep 1
 echo "after stop:" >> "$OUT/stop.txt"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/stop.txt"
 python3 -c 'import json; s=json.load(open("/tmp/stopjob/state/state.json")); print("reason", s["reason"], "|", s["outcome"], "|", s["cause"])' >> "$OUT/stop.txt"
-tail -n 25 "$OUT/stop-agent.log" >> "$OUT/stop.txt"
+echo "-- weights after the stop:" >> "$OUT/stop.txt"; ls -la /tmp/stopjob/runs/*/weights >> "$OUT/stop.txt"
+echo "-- synced:" >> "$OUT/stop.txt"; ls -la /tmp/stopjob/synced/weights >> "$OUT/stop.txt"
+cp /tmp/stopjob/state/trainer.log "$OUT/stop-trainer.log"

@@ -608,7 +608,8 @@ def test_libreyolo_not_importable_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, value: str
 ) -> None:
     scenario = {"devices": [H100], "libreyolo": mode}
-    report = run(monkeypatch, make_job(tmp_path), make_env(tmp_path), scenario)
+    job = make_job(tmp_path, preflight={"deep_import": True})
+    report = run(monkeypatch, job, make_env(tmp_path), scenario)
     lib = check(report, "libreyolo")
     assert lib.status == FAIL and lib.value == value and lib.fix is not None
 
