@@ -463,7 +463,8 @@ class Daemon:
         if self.run_dir is not None:
             self.status = read_status(self.run_dir) or self.status
         self._save()
-        self.sync.final(self.run_dir, self.status, self._agent_files())
+        clean = bool(self.state.outcome and self.state.outcome.get("kind") == "completed")
+        self.sync.final(self.run_dir, self.status, self._agent_files(), clean_exit=clean)
         self.sync.retry_now()
         drained = await self.sync.drain(self.job.sync.finish_timeout_s if self.job.sync else 0)
         if not drained:

@@ -55,11 +55,16 @@ class RunStatus:
             v = d.get(key)
             return v if isinstance(v, int) and not isinstance(v, bool) else None
 
+        completed = integer("completed_epochs")
+        current = integer("current_epoch")
+        if completed is None and current is not None:
+            # The failure write (SIGINT, exception) has only the epoch that was running.
+            completed = max(current - 1, 0)
         return cls(
             state=str(d.get("state", "unknown")),
             pid=integer("pid"),
             save_dir=d.get("save_dir") if isinstance(d.get("save_dir"), str) else None,
-            completed_epochs=integer("completed_epochs") or 0,
+            completed_epochs=completed or 0,
             total_epochs=integer("total_epochs"),
             current_epoch=integer("current_epoch"),
             eta_seconds=num("eta_seconds"),

@@ -155,7 +155,9 @@ def test_read_status_failed_with_error(tmp_path: Path) -> None:
     assert st.state == "failed"
     assert st.error_type == "OutOfMemoryError"
     assert st.error_message == "CUDA out of memory. Tried to allocate 2.00 GiB"
-    assert st.completed_epochs == 0
+    # The failure write has no completed_epochs, only the epoch that was running: the three
+    # before it are complete (regression: reading 0 looked like a fresh run and reset progress).
+    assert st.completed_epochs == 3
     assert st.current_epoch == 4
 
 

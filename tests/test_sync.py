@@ -755,6 +755,36 @@ def test_final_uploads_epoch_snapshots_never_seen_by_on_epoch(tmp_path: Path) ->
         assert (remote / "weights" / name).exists(), name
 
 
+def test_checkpoint_rewritten_at_an_unclean_exit_never_replaces_the_verified_one(
+    tmp_path: Path,
+) -> None:
+    # Seen on an H200: a SIGINT during torch.save left a 665-byte last.pt that is a valid zip;
+    # the final sync must not overwrite the verified epoch checkpoint with it.
+    remote = tmp_path / "remote"
+    run_dir = tmp_path / "runs" / "run1"
+    make_run(run_dir, epochs=2, save_period=0)
+    weights = run_dir / "weights"
+
+    async def scenario() -> Any:
+        sink = FaultySink(remote)
+        engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
+        async with running(engine, sink):
+            engine.final(run_dir, read_status(run_dir), [])
+            assert await engine.drain(10)
+            good = (remote / "weights" / "last.pt").read_bytes()
+            write_checkpoint(weights / "last.pt", epoch=99, payload_kb=1)  # the unsafe rewrite
+            engine.final(run_dir, read_status(run_dir), [], clean_exit=False)
+            assert await engine.drain(10)
+            return good, await engine.verify_all()
+
+    good, result = asyncio.run(scenario())
+    assert result.sync_verified
+    assert (remote / "weights" / "last.pt").read_bytes() == good
+    assert (remote / "weights" / "last.at-exit.pt").read_bytes() == (
+        weights / "last.pt"
+    ).read_bytes()
+
+
 # --------------------------------------------------------------------------------------------
 # LocalSink
 
