@@ -235,9 +235,19 @@ class SyncEngine:
         return queued
 
     def final(
-        self, run_dir: Path | None, status: RunStatus | None, extra_files: Iterable[Path]
+        self,
+        run_dir: Path | None,
+        status: RunStatus | None,
+        extra_files: Iterable[Path],
+        *,
+        clean_exit: bool = True,
     ) -> int:
-        """The end of training: everything, whatever the policy skipped."""
+        """The end of training: everything, whatever the policy skipped.
+
+        ``clean_exit`` False (interrupted, killed, failed): last.pt/best.pt may have been written
+        at an unsafe moment - a SIGINT during ``torch.save`` can leave a structurally valid but
+        incomplete zip. Such a file never replaces a verified checkpoint: it goes up beside it
+        as ``weights/<name>.at-exit.pt``."""
         queued = 0
         n = status.completed_epochs if status else None
         if run_dir is not None:
@@ -250,8 +260,19 @@ class SyncEngine:
             for name in ("last.pt", "best.pt"):
                 kind = name.removesuffix(".pt")
                 epoch = status.best_epoch if (status and kind == "best") else n
-                if self._differs(weights / name, f"weights/{name}"):
-                    queued += self._queue_file(weights / name, f"weights/{name}", epoch, kind)
+                remote = f"weights/{name}"
+                if not self._differs(weights / name, remote):
+                    continue
+                entry = self.ledger.entries.get(remote)
+                if not clean_exit and entry is not None and entry.status == "verified":
+                    remote = f"weights/{kind}.at-exit.pt"
+                    log.warning(
+                        "%s changed after the last verified epoch and the trainer did not exit "
+                        "cleanly: uploading it as %s, keeping the verified one",
+                        name,
+                        remote,
+                    )
+                queued += self._queue_file(weights / name, remote, epoch, kind)
             queued += self._queue_epoch_files(run_dir)
         queued += self._queue_small(run_dir, n, extra_files)
         log.info("final sync: %d file(s) queued", queued)
