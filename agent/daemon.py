@@ -583,7 +583,8 @@ class Daemon:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # A crashed task was already logged by _task_done; it must not fail a finished job.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if tasks:
             log.info("cancelled %d task(s)", len(tasks))

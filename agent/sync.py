@@ -19,6 +19,7 @@ import json
 import logging
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -186,9 +187,6 @@ class SyncEngine:
         self._clock = clock
         self._pending: dict[str, Item] = {}
         self._in_flight: dict[str, concurrent.futures.Future[Any]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_parallel + 2, thread_name_prefix="sync"
-        )
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -374,7 +372,7 @@ class SyncEngine:
 
     def _start(self, item: Item) -> None:
         item.attempts += 1
-        fut = self._executor.submit(self._upload_and_verify, item)
+        fut = _in_daemon_thread(self._upload_and_verify, item, name=f"upload:{item.remote_path}")
         self._in_flight[item.remote_path] = fut
         task = asyncio.create_task(self._watch(item, fut), name=f"upload:{item.remote_path}")
         self._tasks.add(task)
@@ -496,12 +494,13 @@ class SyncEngine:
     async def verify_all(self) -> VerifyResult:
         """Read back every path the ledger expects and compare size and sha256."""
         entries = list(self.ledger.entries.values())
-        loop = asyncio.get_running_loop()
         missing: list[dict[str, Any]] = []
         for e in entries:
             try:
                 remote: RemoteFile | None = await asyncio.wait_for(
-                    loop.run_in_executor(self._executor, self.sink.stat, e.remote_path),
+                    asyncio.wrap_future(
+                        _in_daemon_thread(self.sink.stat, e.remote_path, name="read-back")
+                    ),
                     self.cfg.upload_timeout_s,
                 )
             except (SinkError, TimeoutError) as exc:
@@ -550,4 +549,23 @@ class SyncEngine:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_daemon_thread(
+    fn: Callable[..., Any], *args: Any, name: str
+) -> concurrent.futures.Future[Any]:
+    """Run ``fn`` in a daemon thread. Not a ThreadPoolExecutor: its threads are joined at
+    interpreter exit, so one upload hung on a dead Hub would keep the finished agent (and the
+    box's bill) alive. The ledger is persisted; abandoning such a thread loses nothing."""
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=target, name=f"sync-{name}", daemon=True).start()
+    return fut

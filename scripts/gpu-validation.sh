@@ -15,6 +15,8 @@ now() { date +%s.%N; }
   libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 
+only="${1:-all}"   # all | reattach
+if [ "$only" = all ]; then
 bare='import torch; a = torch.randn(2000, 2000, device="cuda"); b = a @ a; torch.cuda.synchronize(); print(float(b.abs().sum()))'
 echo "== timing: bare recipe vs preflight, alternated (first bare run warms the file cache)" | tee "$OUT/timing.txt"
 for i in 1 2 3; do
@@ -69,3 +71,43 @@ python3 -c 'import json; s=json.load(open("/tmp/stopjob/state/state.json")); pri
 echo "-- weights after the stop:" >> "$OUT/stop.txt"; ls -la /tmp/stopjob/runs/*/weights >> "$OUT/stop.txt"
 echo "-- synced:" >> "$OUT/stop.txt"; ls -la /tmp/stopjob/synced/weights >> "$OUT/stop.txt"
 cp /tmp/stopjob/state/trainer.log "$OUT/stop-trainer.log"
+fi
+
+echo "== agent SIGKILL mid-run on the GPU, a new agent re-attaches (no second trainer)" | tee "$OUT/reattach.txt"
+python3 -c 'from pathlib import Path; from agent import demo; demo.make_dataset(Path("/tmp/rj/data"))'
+cat > /tmp/rj/job.toml <<TOML
+[job]
+name = "gpu-reattach"
+runs_dir = "/tmp/rj/runs"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "/tmp/rj/data/data.yaml"
+epochs = 40
+imgsz = 64
+batch = 4
+workers = 2
+device = "0"
+save_period = 10
+[sync]
+target = "file:///tmp/rj/synced"
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:8422"
+TOML
+export LIBREYOLO_AGENT_STATE_DIR=/tmp/rj/state
+agent run /tmp/rj/job.toml > /tmp/rj/agent1.log 2>&1 &
+a1=$!
+for _ in $(seq 1 120); do
+  e=$(agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null)
+  [ "${e:-0}" -ge 3 ] && break; sleep 0.5
+done
+kill -9 $a1; wait $a1 2>/dev/null
+echo "agent SIGKILLed at epoch $e; trainer processes now:" >> "$OUT/reattach.txt"
+ps -eo pid,ppid,sid,cmd | grep '[l]ibreyolo train' >> "$OUT/reattach.txt"
+agent run /tmp/rj/job.toml > /tmp/rj/agent2.log 2>&1; echo "second agent exit $?" >> "$OUT/reattach.txt"
+grep -vE "uploaded\+verified" /tmp/rj/agent2.log | tail -40 >> "$OUT/reattach.txt"
+echo "trainers started across both agents: $(grep -c 'trainer started' /tmp/rj/agent1.log /tmp/rj/agent2.log | paste -sd' ')" >> "$OUT/reattach.txt"
+sleep 1; echo "GPU processes after:" >> "$OUT/reattach.txt"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/reattach.txt"
+ls /tmp/rj/synced/weights >> "$OUT/reattach.txt"

@@ -15,7 +15,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,9 @@ def join_sync_threads(before: set[threading.Thread], timeout: float = 60.0) -> N
     """Wait for the sync engine's upload threads started since ``before``."""
     end = time.monotonic() + timeout
     for t in set(threading.enumerate()) - before:
-        if t.name.startswith("sync_"):
+        if t.name.startswith("sync-"):
+            # Daemon threads: a hung upload must never keep a finished agent from exiting.
+            assert t.daemon, t.name
             t.join(max(0.0, end - time.monotonic()))
             assert not t.is_alive(), f"upload thread {t.name} still running"
 
@@ -115,7 +117,7 @@ class Probe:
         return [f["error"] for f in self.failures.values() if path is None or f["path"] == path]
 
 
-Side = Callable[[Daemon], Awaitable[None]]
+Side = Callable[[Daemon], Coroutine[Any, Any, None]]
 
 
 async def run_daemon(job: Job, env: Env, side: Side | None = None) -> tuple[int, Daemon, Probe]:
@@ -426,4 +428,3 @@ def test_a_bad_token_is_a_non_retryable_failure_that_names_hf_token_and_never_le
             scanned += 1
             assert secret.encode() not in path.read_bytes(), path
     assert scanned > 10
-    assert (env.state_dir / "agent.log").exists()
