@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -93,6 +94,7 @@ class Daemon:
                 f"cannot create the state directory {self.env.state_dir}: {exc.strerror or exc}; "
                 "set LIBREYOLO_AGENT_STATE_DIR to a writable folder"
             ) from exc
+        lock = self._lock_state_dir()
         file_handler = logging.FileHandler(self.store.path("agent.log"))
         file_handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,7 +114,27 @@ class Daemon:
         finally:
             agent_log.removeHandler(file_handler)
             file_handler.close()
+            os.close(lock)
             self._remove_signal_handlers()
+
+    def _lock_state_dir(self) -> int:
+        """One agent per state directory: two would both drive (and stop) the same trainer."""
+        path = self.store.path("agent.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise AgentError(
+                f"another agent (pid {holder}) is running on the state directory "
+                f"{self.env.state_dir}; stop it first, or use another LIBREYOLO_AGENT_STATE_DIR"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -56,7 +56,7 @@ allow_cpu = false
 listen = "127.0.0.1:8421"
 TOML
 export LIBREYOLO_AGENT_STATE_DIR=/tmp/stopjob/state
-agent run /tmp/stopjob/job.toml > "$OUT/stop-agent.log" 2>&1 &
+python3 -m agent.cli run /tmp/stopjob/job.toml > "$OUT/stop-agent.log" 2>&1 &
 apid=$!
 for _ in $(seq 1 120); do
   e=$(agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null)
@@ -97,7 +97,8 @@ enabled = false
 listen = "127.0.0.1:8422"
 TOML
 export LIBREYOLO_AGENT_STATE_DIR=/tmp/rj/state
-agent run /tmp/rj/job.toml > /tmp/rj/agent1.log 2>&1 &
+# The python process itself in the background (not the shell function: kill -9 must hit the agent).
+python3 -m agent.cli run /tmp/rj/job.toml > /tmp/rj/agent1.log 2>&1 &
 a1=$!
 for _ in $(seq 1 120); do
   e=$(agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null)

@@ -321,3 +321,37 @@ def test_demo_job_from_the_command_line(tmp_path: Path) -> None:
         "epoch_3.pt",
         "last.pt",
     ]
+
+
+def test_second_agent_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
+    # Two agents on one state directory would both drive (and stop) the same trainer.
+    from agent.daemon import AgentError
+
+    state = tmp_path / "state"
+    state.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(state / 'agent.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, f'{os.getpid()}\\n'.encode())\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
+        with pytest.raises(AgentError) as err:
+            asyncio.run(Daemon(job, env_for(tmp_path)).run())
+        assert f"another agent (pid {holder.pid})" in str(err.value)
+        assert not (state / "state.json").exists()  # it touched nothing
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
