@@ -587,14 +587,6 @@ def _load_train(raw: object, dataset: DatasetSection | None, base: Path) -> Trai
             )
         args.append(("data", str(dataset.dest / dataset.data_yaml)))
         section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
-    device = section.get("device")
-    if isinstance(device, str) and "," in device:
-        # LibreYOLO 1.6.0's CLI rejects device lists; they need its Python API (planned).
-        raise ConfigError(
-            "train.device",
-            f"{device!r}: multi-GPU device lists are not supported by this version of the agent "
-            'yet; use a single device such as "0"',
-        )
     epochs = section.get("epochs")
     if epochs is not None and (
         isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1

@@ -57,11 +57,21 @@ def _fmt(value: TrainValue) -> str:
     return str(value)
 
 
-def build_argv(job: Job) -> list[str]:
+def uses_python_api(job: Job) -> bool:
+    """LibreYOLO 1.6.0's CLI rejects device lists (``device=0,1``); those go through its Python
+    API (``agent.train_entry``), whose coordinator spawns one rank per GPU."""
+    device = job.train.get("device")
+    return isinstance(device, str) and "," in device
+
+
+def build_argv(job: Job, *, python: str = sys.executable) -> list[str]:
     """The command line that starts this job's training."""
     args = [f"{k}={_fmt(v)}" for k, v in job.train.args]
-    fixed = [f"project={job.job.runs_dir}", f"name={job.job.name}"]
-    return [libreyolo_executable(), "train", *args, *fixed, "json=true"]
+    fixed = [f"project={job.job.runs_dir}", f"name={job.job.name}", "json=true"]
+    if uses_python_api(job):
+        libreyolo_executable()  # the same clear error when the training stack is missing
+        return [python, "-m", "agent.train_entry", *args, *fixed]
+    return [libreyolo_executable(), "train", *args, *fixed]
 
 
 @dataclass(frozen=True)
@@ -209,6 +219,10 @@ class Trainer:
         """
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if "agent.train_entry" in argv:
+            # The launcher must import this very agent, installed or run from a source tree.
+            root = str(Path(__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         log_fd = -1
         try:

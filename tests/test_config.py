@@ -228,8 +228,6 @@ WRONG_TYPES = [
     ("train", {"lr0": math.nan}, "train.lr0"),
     ("train", {"when": dt.date(2024, 1, 1)}, "train.when"),
     ("train", {"model": "two\nlines"}, "train.model"),
-    # Device lists need LibreYOLO's Python API, which the agent cannot launch yet.
-    ("train", {"device": "0,1"}, "train.device"),
 ]
 
 
