@@ -281,10 +281,12 @@ class SyncEngine:
         if entry is None or not local.exists():
             return True
         pending = self._pending.get(remote_path)
-        if pending is not None:
-            return True
+        expected = pending.sha256 if pending is not None else entry.sha256
+        size = pending.size if pending is not None else entry.size
         try:
-            return local.stat().st_size != entry.size or sha256_file(local) != entry.sha256
+            # Compared with what is already queued too: a failing target must not make the
+            # final sync copy every unchanged checkpoint again.
+            return local.stat().st_size != size or sha256_file(local) != expected
         except OSError:
             return True
 
@@ -389,7 +391,7 @@ class SyncEngine:
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(fut)
         except SinkError as exc:
-            self._failed(item, str(exc), retryable=exc.retryable)
+            self._failed(item, str(exc), retryable=exc.retryable, retry_after_s=exc.retry_after_s)
         except Exception as exc:  # a sink bug must not kill the queue
             log.exception("upload of %s crashed", item.remote_path)
             self._failed(item, f"{type(exc).__name__}: {exc}")
@@ -436,11 +438,21 @@ class SyncEngine:
                 f"expected size={item.size} sha256={item.sha256[:12]}"
             )
 
-    def _failed(self, item: Item, error: str, *, retryable: bool = True) -> None:
+    def _failed(
+        self,
+        item: Item,
+        error: str,
+        *,
+        retryable: bool = True,
+        retry_after_s: float | None = None,
+    ) -> None:
         delay = self.backoff(item.attempts)
         if not retryable:
             # Waiting cannot fix a bad token, but a person can; retry slowly, never give up.
             delay = self.cfg.max_backoff_s
+        elif retry_after_s is not None:
+            # The target said when to come back (HTTP 429 Retry-After): not sooner.
+            delay = max(delay, min(retry_after_s, self.cfg.max_backoff_s))
         item.last_error = error
         item.not_before = self._clock() + delay
         log.warning(

@@ -198,6 +198,7 @@ def test_rate_limit_is_retryable_and_says_how_long(hub: FakeHub) -> None:
         sink(hub).stat("w.pt")
     assert exc.value.retryable
     assert "wait 30 s" in str(exc.value)
+    assert exc.value.retry_after_s == 30.0  # the sync queue waits at least that long
 
 
 def test_failed_read_back_download_is_retryable(hub: FakeHub, text: Path) -> None:

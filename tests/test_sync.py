@@ -811,3 +811,30 @@ def test_local_sink_refuses_paths_outside_its_folder(tmp_path: Path, bad: str) -
         sink.upload(src, bad)
     assert info.value.retryable is False
     assert not (tmp_path / "escape.pt").exists()
+
+
+def test_a_rate_limit_retry_waits_at_least_what_the_target_asked(tmp_path: Path) -> None:
+    # HTTP 429 with Retry-After: retrying sooner only earns another 429.
+    async def scenario() -> tuple[float, float, float]:
+        now = [1000.0]
+        engine = SyncEngine(
+            LocalSink(tmp_path / "remote"),
+            sync_cfg(tmp_path / "remote", max_backoff_s=60.0),
+            state_dir=tmp_path / "state",
+            clock=lambda: now[0],
+        )
+        src = tmp_path / "f.txt"
+        src.write_text("x")
+        item = Item("f.txt", src, sha256_file(src), 1, 1, "small", attempts=1)
+        engine._failed(item, "HTTP 429", retry_after_s=20.0)
+        asked = item.not_before - now[0]
+        engine._failed(item, "HTTP 429", retry_after_s=900.0)  # capped by max_backoff
+        capped = item.not_before - now[0]
+        engine._failed(item, "HTTP 503")
+        plain = item.not_before - now[0]
+        return asked, capped, plain
+
+    asked, capped, plain = asyncio.run(scenario())
+    assert asked >= 20.0
+    assert capped == 60.0
+    assert plain < 20.0

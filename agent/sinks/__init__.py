@@ -29,9 +29,13 @@ class SinkError(Exception):
     """An upload or read-back failed. ``retryable`` is False only when retrying cannot help
     until a person acts (bad token, no permission); the message says what to do."""
 
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = True, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
+        #: The target's own word on when to come back (HTTP ``Retry-After``), seconds.
+        self.retry_after_s = retry_after_s
 
 
 class Sink(Protocol):

@@ -204,6 +204,7 @@ class HubSink:
     def _error(self, action: str, exc: BaseException) -> SinkError:
         """One readable line that says what to do; never the token."""
         exc = _root_cause(exc)
+        wait_s: float | None = None
         fix = f"set HF_TOKEN to a token with write access to {self.repo_id}"
         if not self._token:
             fix = f"HF_TOKEN is not set: {fix}"
@@ -229,6 +230,8 @@ class HubSink:
                 msg, retryable = f"{detail}: the token may not write there; {fix}", False
             elif status == 429:
                 retry_after = exc.response.headers.get("Retry-After")
+                with contextlib.suppress(TypeError, ValueError):
+                    wait_s = float(retry_after) if retry_after else None
                 hint = f"; the Hub asks to wait {retry_after} s" if retry_after else ""
                 msg, retryable = f"{detail}: rate limited by the Hub{hint}", True
             elif status >= 500 or status in _RETRYABLE_STATUS:
@@ -244,7 +247,9 @@ class HubSink:
             msg, retryable = f"{type(exc).__name__}: {exc.strerror or exc}", True
         else:
             msg, retryable = f"{type(exc).__name__}: {_one_line(str(exc))}", True
-        return SinkError(self._redact(f"{action} failed: {msg}"), retryable=retryable)
+        return SinkError(
+            self._redact(f"{action} failed: {msg}"), retryable=retryable, retry_after_s=wait_s
+        )
 
     def _redact(self, text: str) -> str:
         return text.replace(self._token, "<HF_TOKEN>") if self._token else text
