@@ -233,6 +233,10 @@ class Daemon:
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.flags.shutdown.is_set():
                 return 0
+            if self.flags.stop_job.is_set():
+                # Stopped before anything was trained: no trainer to start, nothing to sync.
+                self.state.cause = "stop requested before training started"
+                return await self._teardown_phase(Reason.STOPPED_BY_USER)
             start = Phase.TRAINING
         if start == Phase.TRAINING:
             transition(self.state, Phase.TRAINING)  # STAGING|BOOTING -> TRAINING

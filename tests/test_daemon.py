@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -355,3 +356,35 @@ def test_second_agent_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> 
         holder.wait()
         assert holder.stdout is not None
         holder.stdout.close()
+
+
+def test_stop_requested_during_staging_starts_no_trainer(tmp_path: Path) -> None:
+    import time as _time
+
+    job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
+    env = env_for(tmp_path)
+    staged = threading.Event()
+
+    def slow_staging() -> None:
+        staged.set()
+        _time.sleep(2.0)
+
+    async def main() -> tuple[int, Daemon]:
+        probe = Probe()
+        daemon = Daemon(job, env, stage_hook=slow_staging, on_ready=probe.ready)
+        task = asyncio.create_task(daemon.run())
+        await wait_for(staged.is_set, timeout=20)
+        token = (env.state_dir / "token").read_text().strip()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{probe.base}/stop", headers={"Authorization": f"Bearer {token}"}) as r,
+        ):
+            assert r.status == 200
+        return await task, daemon
+
+    code, daemon = asyncio.run(main())
+    assert code == 0
+    assert daemon.trainer is None and daemon.state.trainer is None
+    assert daemon.state.reason is not None and daemon.state.reason.value == "stopped_by_user"
+    assert daemon.state.cause == "stop requested before training started"
+    assert history_phases(env.state_dir) == ["STAGING", "TEARDOWN", "DONE"]
