@@ -942,15 +942,20 @@ def _extract_tar(archive: Path, tmp: Path, plan: _Plan) -> int:
             archive, [(name, f"refused by tarfile's data filter ({exc})")]
         ) from None
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StagingError(
-                f"disk full while unpacking {archive.name} into {tmp.parent}; free some space or "
-                "rent a bigger disk"
-            ) from None
-        raise _unreadable(archive, "tar", exc) from None
+        raise _write_error(archive, tmp, "tar", exc) from None
     except _READ_ERRORS as exc:
         raise _unreadable(archive, "tar", exc) from None
     return plan.file_bytes
+
+
+def _write_error(archive: Path, tmp: Path, fmt: str, exc: OSError) -> StagingError:
+    """A full disk says so; anything else is an unreadable archive."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StagingError(
+            f"disk full while unpacking {archive.name} into {tmp.parent}; free some space or "
+            "rent a bigger disk"
+        )
+    return _unreadable(archive, fmt, exc)
 
 
 def _extract_zip(archive: Path, tmp: Path, plan: _Plan) -> int:
@@ -983,12 +988,7 @@ def _extract_zip(archive: Path, tmp: Path, plan: _Plan) -> int:
                             out.write(chunk)
                     written += entry.size
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StagingError(
-                f"disk full while unpacking {archive.name} into {tmp.parent}; free some space or "
-                "rent a bigger disk"
-            ) from None
-        raise _unreadable(archive, "zip", exc) from None
+        raise _write_error(archive, tmp, "zip", exc) from None
     except _READ_ERRORS as exc:
         raise _unreadable(archive, "zip", exc) from None
     return written

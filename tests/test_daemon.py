@@ -23,9 +23,10 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.config import Env, Job, parse_job
+from agent.config import Env, Job
 from agent.daemon import Daemon
 from agent.state import Phase, StateStore
+from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.training
 
@@ -42,30 +43,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_job(tmp: Path, data: Path, *, epochs: int = 3, extra: str = "", sync: bool = True) -> Job:
-    text = f"""
-[job]
-name = "run1"
-runs_dir = "{tmp / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{data}"
-epochs = {epochs}
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-stop_grace = "30s"
-kill_grace = "5s"
-{extra}
-[preflight]
-enabled = false
-[server]
-listen = "127.0.0.1:0"
-"""
-    if sync:
-        text += f'[sync]\ntarget = "file://{tmp / "synced"}"\n'
-    return parse_job(text, source="test", base_dir=tmp)
+    sections = f'[sync]\ntarget = "file://{tmp / "synced"}"\n' if sync else ""
+    return tiny_job(tmp, data, epochs=epochs, train=extra, sections=sections)
 
 
 def env_for(tmp: Path) -> Env:

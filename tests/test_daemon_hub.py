@@ -23,11 +23,12 @@ import aiohttp
 import pytest
 
 from agent import demo
-from agent.config import Env, Job, parse_job
+from agent.config import Env, Job
 from agent.daemon import Daemon
 from agent.rundir import SMALL_FILES
 from agent.state import Phase, StateStore
 from tests.fakes.hub import FakeHub, Fault, overlaps, run_fake_hub
+from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.training
 
@@ -67,32 +68,8 @@ def join_sync_threads(before: set[threading.Thread], timeout: float = 60.0) -> N
 
 
 def make_job(tmp: Path, data: Path, *, epochs: int, sync: str) -> Job:
-    text = f"""
-[job]
-name = "run1"
-runs_dir = "{tmp / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{data}"
-epochs = {epochs}
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-save_period = 1
-stop_grace = "30s"
-kill_grace = "5s"
-[preflight]
-enabled = false
-[server]
-listen = "127.0.0.1:0"
-[sync]
-target = "hf://{REPO}"
-every_epochs = 1
-{sync}
-"""
-    return parse_job(text, source="test", base_dir=tmp)
+    sections = f'[sync]\ntarget = "hf://{REPO}"\nevery_epochs = 1\n{sync}\n'
+    return tiny_job(tmp, data, epochs=epochs, train="save_period = 1", sections=sections)
 
 
 class Probe:
