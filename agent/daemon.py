@@ -33,6 +33,8 @@ from .trainer import Outcome, Trainer, TrainerError, build_argv, classify, read_
 
 log = logging.getLogger("agent.daemon")
 
+#: How long a failed preflight/staging waits to get its report off the box before teardown.
+REPORT_SYNC_TIMEOUT_S = 120.0
 #: How often a retryable staging error (network, Hub 5xx) is retried before the job fails.
 STAGING_ATTEMPTS = 5
 #: A hook run in STAGING (the demo job makes its synthetic dataset there).
@@ -224,12 +226,14 @@ class Daemon:
                 transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT
                 self._save()
                 if not await self._preflight():
+                    await self._sync_reports()
                     return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.flags.shutdown.is_set():
                 return 0
             transition(self.state, Phase.STAGING)  # PREFLIGHT -> STAGING
             self._save()
             if not await self._staging():
+                await self._sync_reports()
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.flags.shutdown.is_set():
                 return 0
@@ -250,8 +254,6 @@ class Daemon:
             transition(self.state, Phase.FINISHING)  # TRAINING|BOOTING -> FINISHING
             self._save()
             await self._finishing()
-            if self.flags.shutdown.is_set() and not self.flags.force.is_set():
-                pass  # finishing completed its work; teardown is quick and safe to do now
         assert self.state.reason is not None
         return await self._teardown_phase(self.state.reason)
 
@@ -510,6 +512,16 @@ class Daemon:
                 "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
             )
         self._save()
+
+    async def _sync_reports(self) -> None:
+        """A box that failed before training is usually destroyed at once: get the reason off
+        it first (preflight/staging report, agent.log, state.json), within a short wait."""
+        if self.sync is None or self.job.sync is None:
+            return
+        self._save()
+        self.sync.final(None, None, self._agent_files())
+        if not await self.sync.drain(min(self.job.sync.finish_timeout_s, REPORT_SYNC_TIMEOUT_S)):
+            log.warning("the failure report could not be uploaded in time; tearing down anyway")
 
     async def _teardown_phase(self, reason: Reason) -> int:
         transition(self.state, Phase.TEARDOWN, reason=reason)  # ... -> TEARDOWN

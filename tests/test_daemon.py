@@ -6,6 +6,7 @@ Each test trains a real ``yolox-n`` from scratch for a few 64x64 epochs: a few s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.config import Env, Job
+from agent.config import Env, Job, PreflightSection
 from agent.daemon import Daemon
 from agent.state import Phase, StateStore
 from tests.jobs import tiny_job
@@ -367,3 +368,34 @@ def test_stop_requested_during_staging_starts_no_trainer(tmp_path: Path) -> None
     assert daemon.state.reason is not None and daemon.state.reason.value == "stopped_by_user"
     assert daemon.state.cause == "stop requested before training started"
     assert history_phases(env.state_dir) == ["STAGING", "TEARDOWN", "DONE"]
+
+
+def test_failed_preflight_gets_its_report_off_the_box_then_destroys_it(tmp_path: Path) -> None:
+    # This CPU machine fails a job that does not allow CPU: the box would be destroyed at once,
+    # so the reason must be off it first.
+    job = tiny_job(
+        tmp_path,
+        tmp_path / "data.yaml",
+        sections=f'[sync]\ntarget = "file://{tmp_path / "synced"}"\n',
+    )
+    # Training on "the GPU" (no device=cpu), CPU not allowed.
+    train = dataclasses.replace(
+        job.train, args=tuple((k, v) for k, v in job.train.args if k != "device")
+    )
+    job = dataclasses.replace(
+        job, train=train, preflight=PreflightSection(enabled=True, allow_cpu=False)
+    )
+    env = env_for(tmp_path)
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "preflight_failed"
+    assert daemon.trainer is None
+    assert "cuda.available" in (daemon.state.cause or "")
+    assert history_phases(env.state_dir) == ["PREFLIGHT", "TEARDOWN", "DONE"]
+    report = json.loads((tmp_path / "synced" / "agent" / "preflight.json").read_text())
+    assert report["ok"] is False
+    assert any(c["name"] == "cuda.available" and c["status"] == "fail" for c in report["checks"])
+    assert (tmp_path / "synced" / "agent" / "agent.log").exists()
+    td = daemon.state.teardown
+    assert td is not None and td["action"] == "destroy"
+    assert "preflight failed" in td["why"]
