@@ -253,7 +253,8 @@ class Daemon:
         if start == Phase.FINISHING:
             transition(self.state, Phase.FINISHING)  # TRAINING|BOOTING -> FINISHING
             self._save()
-            await self._finishing()
+            if not await self._finishing():
+                return 0  # state.json still says FINISHING: the next agent carries on
         assert self.state.reason is not None
         return await self._teardown_phase(self.state.reason)
 
@@ -483,23 +484,30 @@ class Daemon:
     def _agent_files(self) -> list[Path]:
         return [p for p in (self.store.path(n) for n in AGENT_FILES) if p.exists()]
 
-    async def _finishing(self) -> None:
-        """Final sync of everything, then verification of everything the ledger expects."""
-        if self.sync is None:
+    async def _finishing(self) -> bool:
+        """Final sync of everything, then verification of everything the ledger expects.
+        False when the agent was asked to exit meanwhile (a restarted agent finishes it)."""
+        assert self.flags is not None
+        if self.sync is None or self.job.sync is None:
             log.info("no [sync] target: nothing to upload")
-            return
+            return True
         if self.run_dir is not None:
             self.status = read_status(self.run_dir) or self.status
         self._save()
         clean = bool(self.state.outcome and self.state.outcome.get("kind") == "completed")
         self.sync.final(self.run_dir, self.status, self._agent_files(), clean_exit=clean)
         self.sync.retry_now()
-        drained = await self.sync.drain(self.job.sync.finish_timeout_s if self.job.sync else 0)
-        if not drained:
-            log.error(
-                "final sync did not finish within %.0fs",
-                self.job.sync.finish_timeout_s if self.job.sync else 0,
-            )
+        timeout = self.job.sync.finish_timeout_s
+        drain = asyncio.ensure_future(self.sync.drain(timeout))
+        exiting = asyncio.ensure_future(self.flags.shutdown.wait())
+        await asyncio.wait({drain, exiting}, return_when=asyncio.FIRST_COMPLETED)
+        exiting.cancel()
+        if not drain.done():
+            drain.cancel()
+            log.info("agent exiting during the final sync; a restarted agent finishes it")
+            return False
+        if not drain.result():
+            log.error("final sync did not finish within %.0fs", timeout)
         result = await self.sync.verify_all()
         if result.sync_verified:
             log.info(
@@ -512,6 +520,7 @@ class Daemon:
                 "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
             )
         self._save()
+        return True
 
     async def _sync_reports(self) -> None:
         """A box that failed before training is usually destroyed at once: get the reason off

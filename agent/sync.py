@@ -281,6 +281,9 @@ class SyncEngine:
         if entry is None or not local.exists():
             return True
         pending = self._pending.get(remote_path)
+        if pending is None and entry.status != "verified":
+            # Promised by the ledger (a previous agent queued it) but not delivered yet.
+            return True
         expected = pending.sha256 if pending is not None else entry.sha256
         size = pending.size if pending is not None else entry.size
         try:

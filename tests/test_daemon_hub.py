@@ -405,3 +405,46 @@ def test_a_bad_token_is_a_non_retryable_failure_that_names_hf_token_and_never_le
             scanned += 1
             assert secret.encode() not in path.read_bytes(), path
     assert scanned > 10
+
+
+@requires_libreyolo
+def test_agent_stopped_during_the_final_sync_leaves_it_to_the_next_agent(
+    tmp_path: Path, dataset: Path, hub: FakeHub
+) -> None:
+    # systemd stops the agent while the Hub is down at the end: the job is not over, and the
+    # restarted agent (Hub back) finishes the sync, verifies it, and only then tears down.
+    job = make_job(tmp_path, dataset, epochs=2, sync='max_backoff = "1s"')
+    env = Env(state_dir=tmp_path / "state", hf_endpoint=hub.url, hf_token=GOOD_TOKEN)
+    down = hub.fail("commit", 503, times=None)
+
+    async def first() -> tuple[int, Daemon]:
+        shutdown = asyncio.Event()
+        daemon = Daemon(job, env, poll_interval_s=0.5)
+        task = asyncio.create_task(daemon.run(shutdown_trigger=shutdown))
+        while daemon.state.phase != Phase.FINISHING:
+            assert not task.done(), "the first agent ended before FINISHING"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        shutdown.set()  # what SIGTERM to the agent does
+        return await asyncio.wait_for(task, 30), daemon
+
+    code, daemon = asyncio.run(first())
+    assert code == 0
+    assert daemon.state.phase == Phase.FINISHING  # not over: nothing verified, no teardown
+    assert daemon.state.teardown is None
+    assert down.hits >= 1
+    hub.clear_faults()
+
+    second = Daemon(job, env, poll_interval_s=0.5)
+    code = asyncio.run(second.run())
+    assert code == 0
+    assert second.state.phase == Phase.DONE and second.state.reason is not None
+    assert second.state.reason.value == "completed"
+    assert second.sync is not None and second.sync.verify_result is not None
+    assert second.sync.verify_result.sync_verified
+    files = hub.files("model", REPO)
+    assert second.run_dir is not None
+    for name in ("last.pt", "best.pt", "epoch_1.pt", "epoch_2.pt"):
+        local = (second.run_dir / "weights" / name).read_bytes()
+        assert hashlib.sha256(files[f"weights/{name}"]).digest() == hashlib.sha256(local).digest()
+    assert second.state.teardown is not None and second.state.teardown["action"] == "destroy"
