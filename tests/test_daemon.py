@@ -399,3 +399,50 @@ def test_failed_preflight_gets_its_report_off_the_box_then_destroys_it(tmp_path:
     td = daemon.state.teardown
     assert td is not None and td["action"] == "destroy"
     assert "preflight failed" in td["why"]
+
+
+def test_status_and_stop_commands_talk_to_the_running_agent(tmp_path: Path) -> None:
+    import time as _time
+
+    job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
+    env = env_for(tmp_path)
+    staged = threading.Event()
+
+    def slow_staging() -> None:
+        staged.set()
+        _time.sleep(3.0)
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "agent.cli",
+            *args,
+            "--state-dir",
+            str(env.state_dir),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async def main() -> tuple[int, list[tuple[int, str, str]]]:
+        daemon = Daemon(job, env, stage_hook=slow_staging)
+        task = asyncio.create_task(daemon.run())
+        await wait_for(staged.is_set, timeout=20)
+        answers = [await cli("status", "--json"), await cli("status"), await cli("stop")]
+        return await task, answers
+
+    code, answers = asyncio.run(main())
+    assert code == 0
+    (rc_json, out_json, _), (rc_text, out_text, _), (rc_stop, out_stop, _) = answers
+    assert rc_json == 0 and json.loads(out_json)["phase"] == "STAGING"
+    assert rc_text == 0 and "phase              STAGING" in out_text
+    assert rc_stop == 0 and "stop requested" in out_stop
+    state = StateStore(env.state_dir).load()
+    assert state is not None and state.reason is not None
+    assert state.reason.value == "stopped_by_user"
+    # With the agent gone, the commands say so in one line, without a traceback.
+    rc, _, err = asyncio.run(cli("status"))
+    assert rc == 1 and "no agent answers" in err and "Traceback" not in err
