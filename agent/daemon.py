@@ -264,6 +264,13 @@ class Daemon:
         report = await preflight.run_preflight(self.job, self.env)
         self.preflight_report = report.to_dict()
         atomic_write_json(self.store.path("preflight.json"), self.preflight_report)
+        for check in report.warnings():
+            log.warning(
+                "preflight warning: %s: %s%s",
+                check.name,
+                check.value,
+                f" (fix: {check.fix})" if check.fix else "",
+            )
         if report.ok:
             log.info("preflight passed in %.1fs", report.wall_s)
             return True
