@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from agent import demo
 from agent.config import Env, Job, PreflightSection
 from agent.daemon import Daemon
 from agent.state import Phase, StateStore
-from tests.jobs import tiny_job
+from tests.support import slow_stage, tiny_job, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -98,15 +97,6 @@ async def run_daemon(
     if not probe.phases or probe.phases[-1] != final:
         probe.phases.append(final)
     return code, daemon, probe
-
-
-async def wait_for(pred: Callable[[], bool], timeout: float = 90.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def history_phases(state_dir: Path) -> list[str]:
@@ -342,15 +332,9 @@ def test_second_agent_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> 
 
 
 def test_stop_requested_during_staging_starts_no_trainer(tmp_path: Path) -> None:
-    import time as _time
-
     job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
     env = env_for(tmp_path)
-    staged = threading.Event()
-
-    def slow_staging() -> None:
-        staged.set()
-        _time.sleep(2.0)
+    slow_staging, staged = slow_stage(2.0)
 
     async def main() -> tuple[int, Daemon]:
         probe = Probe()
@@ -405,15 +389,9 @@ def test_failed_preflight_gets_its_report_off_the_box_then_destroys_it(tmp_path:
 
 
 def test_status_and_stop_commands_talk_to_the_running_agent(tmp_path: Path) -> None:
-    import time as _time
-
     job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
     env = env_for(tmp_path)
-    staged = threading.Event()
-
-    def slow_staging() -> None:
-        staged.set()
-        _time.sleep(3.0)
+    slow_staging, staged = slow_stage(3.0)
 
     async def cli(*args: str) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(

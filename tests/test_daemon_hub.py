@@ -28,7 +28,7 @@ from agent.daemon import Daemon
 from agent.rundir import SMALL_FILES
 from agent.state import Phase, StateStore
 from tests.fakes.hub import FakeHub, Fault, overlaps, run_fake_hub
-from tests.jobs import tiny_job
+from tests.support import tiny_job, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -139,15 +139,6 @@ async def run_daemon(job: Job, env: Env, side: Side | None = None) -> tuple[int,
     for f in daemon.sync.failures:  # the engine itself keeps the last 20
         probe.failures[(f["path"], f["at"], f["attempt"])] = f
     return code, daemon, probe
-
-
-async def wait_for(pred: Callable[[], Any], timeout: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def sha256(data: bytes) -> str:

@@ -1,0 +1,63 @@
+"""Shared pieces of the daemon tests: a tiny CPU job, waiting on a condition, a slow stage."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.config import Job, parse_job
+
+
+def tiny_job(tmp: Path, data: Path, *, epochs: int = 3, train: str = "", sections: str = "") -> Job:
+    """yolox-n from scratch at 64x64 on the CPU, preflight off, HTTP on a free port.
+
+    ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table)."""
+    text = f"""
+[job]
+name = "run1"
+runs_dir = "{tmp / "runs"}"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "{data}"
+epochs = {epochs}
+imgsz = 64
+batch = 4
+workers = 0
+device = "cpu"
+stop_grace = "30s"
+kill_grace = "5s"
+{train}
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:0"
+{sections}
+"""
+    return parse_job(text, source="test", base_dir=tmp)
+
+
+async def wait_for(pred: Callable[[], Any], timeout: float = 90.0) -> None:
+    """Poll ``pred`` in the daemon's loop until it is true; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def slow_stage(seconds: float) -> tuple[Callable[[], None], threading.Event]:
+    """A STAGING hook that takes ``seconds``, and an event set when it starts: a window in
+    which the agent is up (HTTP, token) but no trainer runs."""
+    started = threading.Event()
+
+    def hook() -> None:
+        started.set()
+        time.sleep(seconds)
+
+    return hook, started
