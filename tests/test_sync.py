@@ -341,7 +341,8 @@ def test_timed_out_upload_stays_in_flight_until_its_thread_ends(tmp_path: Path) 
 
     engine, during = asyncio.run(scenario())
     assert "timed out" in engine.failures[0]["error"]
-    assert during["in_flight"] == [path]
+    assert [f["path"] for f in during["in_flight"]] == [path]
+    assert during["in_flight"][0]["attempt"] == 1
     assert during["queue"][0]["path"] == path and "timed out" in during["queue"][0]["error"]
     assert len(sink.calls) == 2
     assert sink.max_active[path] == 1
@@ -403,7 +404,9 @@ def test_drain_times_out_while_uploads_keep_failing(tmp_path: Path) -> None:
     drained, status = asyncio.run(scenario())
     assert drained is False
     # Still owed: waiting out its backoff, or on its next attempt.
-    assert "weights/last.pt" in {q["path"] for q in status["queue"]} | set(status["in_flight"])
+    assert "weights/last.pt" in {q["path"] for q in status["queue"]} | {
+        f["path"] for f in status["in_flight"]
+    }
     assert status["uploads_done"] == 0
     assert 1 <= len(status["failures"]) <= 5  # /status shows the last few, not all
 
@@ -557,7 +560,7 @@ def test_restarted_engine_does_not_reupload_verified_files(tmp_path: Path) -> No
         sink = FaultySink(remote)
         engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
         async with running(engine, sink):
-            queued = engine.final(run_dir, st, [])
+            queued = await engine.final(run_dir, st, [])
             assert await engine.drain(10)
         return queued
 
@@ -565,7 +568,7 @@ def test_restarted_engine_does_not_reupload_verified_files(tmp_path: Path) -> No
         sink = FaultySink(remote)
         engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
         async with running(engine, sink):
-            queued = engine.final(run_dir, st, [])
+            queued = await engine.final(run_dir, st, [])
             assert await engine.drain(10)
             assert (await engine.verify_all()).sync_verified
         return queued, sink
@@ -586,12 +589,13 @@ def test_snapshot_of_a_valid_checkpoint(tmp_path: Path) -> None:
     snaps = Snapshotter(tmp_path / "snapshots")
     taken = snaps.take(src, checkpoint=True)
     assert taken is not None
-    dst, digest, size = taken
+    dst, digest, size = taken.path, taken.sha256, taken.size
+    assert not taken.live
     assert dst.parent == tmp_path / "snapshots"
     assert dst.read_bytes() == src.read_bytes()
     assert (digest, size) == (sha256_file(src), src.stat().st_size)
     again = snaps.take(src, checkpoint=True)
-    assert again is not None and again[0] != dst  # every snapshot has its own file
+    assert again is not None and again.path != dst  # every snapshot has its own file
 
 
 def test_snapshot_rejects_a_torn_checkpoint(tmp_path: Path) -> None:
@@ -608,7 +612,7 @@ def test_snapshot_does_not_zip_check_small_files(tmp_path: Path) -> None:
     src = tmp_path / "status.json"
     src.write_text('{"state": "running"}', encoding="utf-8")
     taken = Snapshotter(tmp_path / "snapshots").take(src, checkpoint=False)
-    assert taken is not None and taken[0].read_bytes() == src.read_bytes()
+    assert taken is not None and taken.path.read_bytes() == src.read_bytes()
 
 
 def test_snapshot_of_a_missing_file_is_none(tmp_path: Path) -> None:
@@ -703,14 +707,14 @@ def test_milestones_follow_every_epochs_and_best_changes(tmp_path: Path) -> None
                 last_sha[epoch] = sha256_file(run_dir / "weights" / "last.pt")
                 st = read_status(run_dir)
                 assert st is not None
-                queued.append(engine.on_epoch(run_dir, st))
-                assert engine.on_epoch(run_dir, st) == 0  # the same epoch twice: nothing new
+                queued.append(await engine.on_epoch(run_dir, st))
+                assert await engine.on_epoch(run_dir, st) == 0  # the same epoch twice: nothing new
                 assert await engine.drain(10)
                 uploaded.append({path for path, _, _ in sink.calls})
             complete(run_dir, 4, 3)
             state_file.parent.mkdir(parents=True, exist_ok=True)
             state_file.write_text("{}", encoding="utf-8")
-            final_queued = engine.final(run_dir, read_status(run_dir), [state_file])
+            final_queued = await engine.final(run_dir, read_status(run_dir), [state_file])
             assert await engine.drain(10)
             result = await engine.verify_all()
         return queued, uploaded, final_queued, result, last_sha
@@ -745,9 +749,9 @@ def test_final_uploads_epoch_snapshots_never_seen_by_on_epoch(tmp_path: Path) ->
         sink = FaultySink(remote)
         engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
         async with running(engine, sink):
-            engine.final(run_dir, read_status(run_dir), [])
+            await engine.final(run_dir, read_status(run_dir), [])
             assert await engine.drain(10)
-            return await engine.verify_all()
+            return await engine.verify_all(run_dir)
 
     result = asyncio.run(scenario())
     assert result.sync_verified
@@ -769,13 +773,14 @@ def test_checkpoint_rewritten_at_an_unclean_exit_never_replaces_the_verified_one
         sink = FaultySink(remote)
         engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
         async with running(engine, sink):
-            engine.final(run_dir, read_status(run_dir), [])
+            await engine.final(run_dir, read_status(run_dir), [])
             assert await engine.drain(10)
             good = (remote / "weights" / "last.pt").read_bytes()
             write_checkpoint(weights / "last.pt", epoch=99, payload_kb=1)  # the unsafe rewrite
-            engine.final(run_dir, read_status(run_dir), [], clean_exit=False)
+            await engine.final(run_dir, read_status(run_dir), [], clean_exit=False)
             assert await engine.drain(10)
-            return good, await engine.verify_all()
+            # What is on disk is on the target: last.pt as last.at-exit.pt.
+            return good, await engine.verify_all(run_dir)
 
     good, result = asyncio.run(scenario())
     assert result.sync_verified
