@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import urllib.error
@@ -50,6 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _setup_logging(args.verbose)
     stage_hook = None
+    fresh_start = None
     demo_root: Path | None = None
     if args.job:
         job = _load(args.job)
@@ -59,20 +59,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         demo_root = Path(args.demo_dir).resolve()
         job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)
-        environ = dict(os.environ)
-        environ.setdefault("LIBREYOLO_AGENT_STATE_DIR", str(demo_root / "state"))
+        # The demo's state lives in its own folder, whatever LIBREYOLO_AGENT_STATE_DIR says:
+        # that variable names a real job's state, which the demo must never touch.
+        environ = dict(os.environ, LIBREYOLO_AGENT_STATE_DIR=str(demo_root / "state"))
         env = Env.from_environ(environ)
-        # The demo always starts fresh.
-        for sub in ("runs", "synced", "snapshots"):
-            shutil.rmtree(demo_root / sub, ignore_errors=True)
-        shutil.rmtree(env.state_dir, ignore_errors=True)
         data_root = demo_root / "data"
         print(f"demo job: everything goes under {demo_root}", file=sys.stderr)
 
         def stage_hook() -> None:
             demo.make_dataset(data_root)
 
-    daemon = Daemon(job, env, stage_hook=stage_hook, on_ready=_print_ready)
+        def fresh_start() -> None:
+            # Runs once the demo holds its state directory's lock: never under a running agent.
+            demo.reset(demo_root)
+
+    daemon = Daemon(job, env, stage_hook=stage_hook, on_ready=_print_ready, fresh_start=fresh_start)
     try:
         code = asyncio.run(daemon.run())
     except AgentError as exc:
@@ -136,13 +137,19 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from .trainargs import installed_train_options
+
     job = _load(args.job)
     env = Env.from_environ()
     sync = job.sync.target if job.sync else "none"
+    options = installed_train_options()  # the one _load checked against (cached)
+    checked = f"checked against {options.label}" if options.available else "not checked"
     print(
-        f"{args.job}: ok (job {job.job.name!r}, {len(job.train.args)} train options, "
-        f"sync {sync}, teardown {job.teardown.provider}, state dir {env.state_dir})"
+        f"{args.job}: ok (job {job.job.name!r}, {len(job.train.args)} train options "
+        f"{checked}, sync {sync}, teardown {job.teardown.provider}, state dir {env.state_dir})"
     )
+    if not options.available:
+        print(f"note: [train] keys not checked against LibreYOLO: {options.reason}")
     return EXIT_OK
 
 

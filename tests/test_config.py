@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.config import (
+    MAX_JOB_FILE_BYTES,
     ConfigError,
+    DataCheckSection,
     DatasetSection,
     Env,
     Job,
@@ -26,12 +28,15 @@ from agent.config import (
     SyncSection,
     TeardownSection,
     TrainSection,
+    check_train_options,
     format_duration,
     job_from_dict,
     load_job,
     parse_duration,
     parse_job,
+    repo_id_problem,
 )
+from agent.trainargs import TrainOptions, installed_train_options
 from agent.trainer import build_argv
 
 # --------------------------------------------------------------------------------------------
@@ -394,10 +399,17 @@ def test_listen_with_a_non_ascii_digit_port_is_a_config_error_not_a_value_error(
 
 @pytest.mark.parametrize(
     ("listen", "host", "port"),
-    [("127.0.0.1:8421", "127.0.0.1", 8421), ("[::1]:0", "::1", 0), ("0.0.0.0:80", "0.0.0.0", 80)],
+    [
+        ("127.0.0.1:8421", "127.0.0.1", 8421),
+        ("[::1]:0", "::1", 0),
+        ("127.5.6.7:80", "127.5.6.7", 80),
+        ("localhost:8421", "localhost", 8421),
+    ],
 )
 def test_good_listen(listen: str, host: str, port: int) -> None:
-    assert parse(with_section("server", {"listen": listen})).server == ServerSection(host, port)
+    server = parse(with_section("server", {"listen": listen})).server
+    assert server == ServerSection(host, port)
+    assert server.loopback
 
 
 @pytest.mark.parametrize("provider", ["vast", "runpod", "lambda", "command"])
@@ -775,7 +787,7 @@ def test_check_missing_file_exits_2_with_a_clear_message(tmp_path: Path) -> None
 KNOWN_KEYS: dict[str, list[str]] = {
     "job": ["name", "runs_dir", "stop_trainer_on_exit"],
     "train": ["data", "model", "epochs", "batch", "device", "stop_grace", "kill_grace", "project"],
-    "dataset": ["repo", "file", "revision", "dest", "doctor", "data_yaml"],
+    "dataset": ["repo", "file", "revision", "dest", "doctor", "data_yaml", "allow_outside_paths"],
     "sync": [
         "target",
         "every_epochs",
@@ -786,7 +798,7 @@ KNOWN_KEYS: dict[str, list[str]] = {
     ],
     "limits": ["max_runtime", "stall_timeout", "budget_usd", "price_usd_per_hour"],
     "teardown": ["provider", "on_success", "on_failure", "on_preflight_failure"],
-    "server": ["listen"],
+    "server": ["listen", "allow_remote"],
     "preflight": ["enabled", "allow_cpu", "timeout"],
 }
 INTERESTING_STRINGS = [
@@ -825,11 +837,20 @@ INTERESTING_STRINGS = [
     "0,1",
     "a\x00b",
     "line\nbreak",
+    "a\u202eb",
+    "hf://org/run@dev",
+    "hf://../x",
+    "org/",
+    "0.0.0.0:8421",
+    "[::]:8421",
+    "*:8421",
+    "epoch",
 ]
 scalars = st.one_of(
     st.booleans(),
     st.integers(),
     st.integers(min_value=-(10**400), max_value=10**400),
+    st.sampled_from([2**63, -(2**63) - 1, 2**63 - 1]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
     st.sampled_from(INTERESTING_STRINGS),
@@ -873,6 +894,7 @@ def check_outcome(text: str) -> None:
         job = parse_job(text, source="job.toml", base_dir=BASE_DIR)
     except ConfigError as exc:
         assert isinstance(exc.key, str) and exc.key in str(exc)
+        assert str(exc).isprintable(), repr(str(exc))  # one safe line for `check`
         return
     assert isinstance(job, Job)
     assert job.train.get("data") is not None
@@ -924,3 +946,645 @@ def test_job_from_dict_refuses_non_table_sections() -> None:
     with pytest.raises(ConfigError) as info:
         job_from_dict({"train": {"data": DATA}, "limits": [1, 2]})
     assert_names_key(info.value, "limits")
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 8: bad input that `check` accepted or crashed on. Each case crashed or passed before.
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LIBREYOLO = installed_train_options()
+requires_libreyolo = pytest.mark.skipif(
+    not LIBREYOLO.available, reason=f"needs LibreYOLO's train options: {LIBREYOLO.reason}"
+)
+
+
+def write_job(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def assert_check_refuses(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """`check` exited 2 with one printable line on stderr holding every needle, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].isprintable(), repr(lines[0])
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+    return lines[0]
+
+
+MINIMAL = '[train]\ndata = "/data/set/data.yaml"\n'
+HUGE = "1" * 5000
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        (f"{MINIMAL}epochs = {HUGE}\n", 3),
+        (f"{MINIMAL}[limits]\nbudget_usd = {HUGE}\n", 4),
+        (f"{MINIMAL}[job]\nx = [1, [{HUGE}]]\n", 4),
+        (f"n = 1_{HUGE}\n{MINIMAL}", 1),
+    ],
+)
+def test_integer_over_4300_digits_is_a_config_error_not_a_value_error(text: str, line: int) -> None:
+    # tomllib's int() refuses more than 4,300 digits with a plain ValueError.
+    with pytest.raises(ConfigError) as info:
+        parse_job(text, source="job.toml")
+    assert_names_key(info.value, "job.toml")
+    assert "4300 digits" in str(info.value) and f"line {line}" in str(info.value)
+    assert "set_int_max_str_digits" not in str(info.value)  # no advice to change Python
+
+
+def test_listen_port_over_4300_digits_is_a_config_error_not_a_value_error() -> None:
+    doc = with_section("server", {"listen": f"127.0.0.1:{HUGE}"})
+    exc = config_error(doc)
+    assert_names_key(exc, "server.listen")
+    assert "port" in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        # Hexadecimal reads at any size, then str()/repr() of it raises ValueError.
+        (f"{MINIMAL}x = 0x{'f' * 5000}\n", "train.x"),
+        (f"{MINIMAL}[limits]\nbudget_usd = {2**63}\n", "limits.budget_usd"),
+        (f"{MINIMAL}[job]\nname = {-(2**63) - 1}\n", "job.name"),
+        (f"{MINIMAL}[job]\nx = {{ y = [0, {2**64}] }}\n", "job.x.y[1]"),
+    ],
+)
+def test_integer_outside_64_bits_is_named(text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_job(text, source="job.toml")
+    assert_names_key(info.value, key)
+    assert "64-bit" in str(info.value)
+
+
+def test_integers_at_the_64_bit_limits_are_fine() -> None:
+    job = parse(with_section("train", {"seed": 2**63 - 1, "shift": -(2**63)}))
+    assert job.train.get("seed") == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"{MINIMAL}epochs = {HUGE}\n",
+        f'{MINIMAL}[server]\nlisten = "127.0.0.1:{HUGE}"\n',
+        f"{MINIMAL}x = 0x{'f' * 5000}\n",
+    ],
+    ids=["toml-int", "listen-port", "hex-int"],
+)
+def test_check_huge_integer_exits_2_with_one_line(tmp_path: Path, text: str) -> None:
+    assert_check_refuses(run_check(write_job(tmp_path, text), tmp_path))
+
+
+NUL_CASES = [
+    ("job", {"name": "run\x001"}, "job.name"),
+    ("job", {"runs_dir": "/root/ru\x00ns"}, "job.runs_dir"),
+    ("sync", {"target": "file:///mnt/b\x00ackup"}, "sync.target"),
+    ("sync", {"target": "hf://org/ru\x00n"}, "sync.target"),
+    ("dataset", {**VALID_DATASET, "repo": "org/d\x00s"}, "dataset.repo"),
+    ("dataset", {**VALID_DATASET, "file": "ds\x00.tar"}, "dataset.file"),
+    ("dataset", {**VALID_DATASET, "dest": "/data\x00"}, "dataset.dest"),
+    ("dataset", {**VALID_DATASET, "revision": "ma\x00in"}, "dataset.revision"),
+    ("dataset", {**VALID_DATASET, "data_yaml": "d\x00.yaml"}, "dataset.data_yaml"),
+    ("train", {"model": "yolox\x00-n"}, "train.model"),
+    ("train", {"data": "/d\x00.yaml"}, "train.data"),
+    ("train", {"classes": ["0", "\x00"]}, "train.classes[1]"),
+    ("teardown", {"provider": "no\x00ne"}, "teardown.provider"),
+    ("server", {"listen": "127.0.0.1:8421\x00"}, "server.listen"),
+    ("limits", {"max_runtime": "1h\x00"}, "limits.max_runtime"),
+]
+
+
+@pytest.mark.parametrize(("section", "values", "key"), NUL_CASES)
+def test_nul_anywhere_is_refused_with_its_key(
+    section: str, values: dict[str, Any], key: str
+) -> None:
+    exc = config_error(with_section(section, values))
+    assert_names_key(exc, key)
+    assert "NUL" in str(exc)
+    assert "\x00" not in str(exc) and "\\x00" in str(exc)
+
+
+@pytest.mark.parametrize("section", ["train", "job", "notify"])
+def test_nul_in_a_key_is_refused(section: str) -> None:
+    exc = config_error(with_section(section, {"ep\x00ochs": 1}))
+    assert "NUL" in str(exc) and "\x00" not in str(exc)
+    assert exc.key.startswith(section) and str(exc).isprintable()
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "key"),
+    [
+        ("job", {"name": "run1"}, "job.name"),
+        ("job", {"runs_dir": "/root/runs"}, "job.runs_dir"),
+        ("sync", {"target": "file:///mnt/backup/run1"}, "sync.target"),
+    ],
+)
+def test_check_refuses_nul_in_names_and_paths(
+    tmp_path: Path, section: str, values: dict[str, Any], key: str
+) -> None:
+    # Before: accepted by `check`, then `run` crashed at every restart while the box billed.
+    ((k, v),) = values.items()
+    doc = with_section(section, {k: v[:3] + "\x00" + v[3:]})
+    line = assert_check_refuses(run_check(write_job(tmp_path, to_toml(doc)), tmp_path), key)
+    assert "NUL" in line
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "key"),
+    [
+        ("job", {"name": "run\n1"}, "job.name"),
+        ("job", {"name": "run\u202e1"}, "job.name"),  # right-to-left override: a spoof
+        ("job", {"runs_dir": "/root/\truns"}, "job.runs_dir"),
+        ("job", {"runs_dir": "/root/runs\x1b[2J"}, "job.runs_dir"),
+        ("sync", {"target": "file:///mnt/back\nup"}, "sync.target"),
+        ("dataset", {**VALID_DATASET, "dest": "/data\r"}, "dataset.dest"),
+        ("dataset", {**VALID_DATASET, "file": "ds\u2028.tar"}, "dataset.file"),
+        ("train", {"model": "yolox\t-n"}, "train.model"),
+        ("train", {"data": "/data\u2029.yaml"}, "train.data"),
+        ("train", {"device": "\x7f0"}, "train.device"),
+    ],
+)
+def test_control_characters_in_names_paths_and_arguments_are_refused(
+    section: str, values: dict[str, Any], key: str
+) -> None:
+    exc = config_error(with_section(section, values))
+    assert_names_key(exc, key)
+    assert "unprintable character" in str(exc) and str(exc).isprintable()
+
+
+def test_printable_non_ascii_text_is_fine() -> None:
+    job = parse(
+        {
+            "job": {"name": "exp-données", "runs_dir": "/root/实验"},
+            "train": {"data": "/data/jeu de données/data.yaml", "model": "yolox-n"},
+        }
+    )
+    assert job.job.name == "exp-données"
+    assert job.train.get("data") == "/data/jeu de données/data.yaml"
+
+
+def test_an_unknown_key_with_a_newline_is_shown_on_one_line() -> None:
+    exc = config_error(with_section("job", {"na\nme": "x"}))
+    assert exc.key == "job.na\\nme"
+    assert "\n" not in str(exc)
+
+
+def test_job_name_longer_than_a_directory_name_is_refused() -> None:
+    assert_names_key(config_error(with_section("job", {"name": "r" * 201})), "job.name")
+    assert parse(with_section("job", {"name": "r" * 200})).job.name == "r" * 200
+
+
+BAD_REPO_IDS = [
+    "org/run@dev",
+    "../x",
+    "a/b/c",
+    "org/",
+    "/run",
+    "org",
+    "my org/run",
+    "org/my run",
+    "-org/run",
+    "org/run-",
+    ".org/run",
+    "org/run.",
+    "org/ru--n",
+    "org/ru..n",
+    "org/run.git",
+    "org/" + "r" * 97,
+    "o" * 97 + "/run",
+    "org/rün",
+    "org/run?x=1",
+    "org/run#main",
+    "user:pw@org/run",
+    "org\\run",
+]
+GOOD_REPO_IDS = [
+    "my-org/my-run",
+    "Org_1/run.v2",
+    "_org/_run",
+    "o/r",
+    "org/" + "r" * 96,
+    "123/456",
+]
+
+
+@pytest.mark.parametrize("repo", BAD_REPO_IDS)
+def test_bad_hf_target_is_refused_at_check_time(repo: str) -> None:
+    # Before: `hf://org/run@dev` and `hf://../x` passed, then every upload failed as transient.
+    exc = config_error(with_section("sync", {"target": f"hf://{repo}"}))
+    assert_names_key(exc, "sync.target")
+    assert "namespace/name" in str(exc)
+
+
+@pytest.mark.parametrize("repo", BAD_REPO_IDS)
+def test_bad_dataset_repo_is_refused(repo: str) -> None:
+    exc = config_error(with_section("dataset", {**VALID_DATASET, "repo": repo}))
+    assert_names_key(exc, "dataset.repo")
+    assert "Hub repo id" in str(exc)
+
+
+@pytest.mark.parametrize("repo", GOOD_REPO_IDS)
+def test_good_repo_ids(repo: str) -> None:
+    sync = parse(with_section("sync", {"target": f"hf://{repo}"})).sync
+    assert sync is not None and sync.location == repo
+    dataset = parse(with_section("dataset", {**VALID_DATASET, "repo": repo})).dataset
+    assert dataset is not None and dataset.repo == repo
+
+
+def test_hf_target_with_a_trailing_slash_is_the_same_repo() -> None:
+    sync = parse(with_section("sync", {"target": "hf://my-org/my-run/"})).sync
+    assert sync is not None and sync.location == "my-org/my-run"
+
+
+def test_revision_at_sign_gets_a_hint() -> None:
+    exc = config_error(with_section("sync", {"target": "hf://org/run@dev"}))
+    assert "'@revision' is not part of a repo id" in str(exc)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.tuples(
+        st.text(alphabet="aZ09-_.@ /é", max_size=100),
+        st.text(alphabet="aZ09-_.@ é", max_size=100),
+    ).map("/".join)
+)
+def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
+    # huggingface_hub also accepts a bare "name"; the agent needs "namespace/name".
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        hub_ok = repo_id.count("/") == 1
+    except HFValidationError:
+        hub_ok = False
+    assert (repo_id_problem(repo_id) is None) == hub_ok, repo_id
+
+
+@pytest.mark.parametrize("revision", ["dev branch", "v1 ", "\tmain", "ma\u3000in"])
+def test_revision_with_whitespace_is_refused(revision: str) -> None:
+    exc = config_error(with_section("dataset", {**VALID_DATASET, "revision": revision}))
+    assert_names_key(exc, "dataset.revision")
+
+
+def test_revision_may_be_a_ref_path() -> None:
+    ds = parse(with_section("dataset", {**VALID_DATASET, "revision": "refs/pr/1"})).dataset
+    assert ds is not None and ds.revision == "refs/pr/1"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("file", "../x.tar"),
+        ("file", "/abs/x.tar"),
+        ("file", "a/../../x.tar"),
+        ("data_yaml", "../other/data.yaml"),
+        ("data_yaml", "/etc/data.yaml"),
+        ("data_yaml", "~/data.yaml"),
+    ],
+)
+def test_dataset_paths_must_stay_inside(key: str, value: str) -> None:
+    exc = config_error(with_section("dataset", {**VALID_DATASET, key: value}))
+    assert_names_key(exc, f"dataset.{key}")
+    assert "relative path inside" in str(exc)
+
+
+@pytest.mark.parametrize(
+    "target", ["file:///mnt/backup?x", "file:///mnt/backup#1", "file:///mnt/a?b/run1"]
+)
+def test_file_target_with_query_or_fragment_is_refused(target: str) -> None:
+    # urlsplit cuts the path at '?' or '#': the checkpoints would go to another folder.
+    assert_names_key(config_error(with_section("sync", {"target": target})), "sync.target")
+
+
+def test_file_target_keeps_a_semicolon_in_the_path() -> None:
+    sync = parse(with_section("sync", {"target": "file:///mnt/a;b/run1"})).sync
+    assert sync is not None and sync.location == "/mnt/a;b/run1"
+
+
+NON_LOOPBACK = ["0.0.0.0:8421", "[::]:8421", "192.168.1.5:8421", "10.0.0.1:0", "myhost:8421"]
+
+
+@pytest.mark.parametrize("listen", NON_LOOPBACK)
+def test_non_loopback_listen_needs_allow_remote(listen: str) -> None:
+    exc = config_error(with_section("server", {"listen": listen}))
+    assert_names_key(exc, "server.listen")
+    assert "allow_remote" in str(exc) and "/status" in str(exc)
+
+
+@pytest.mark.parametrize("listen", NON_LOOPBACK)
+def test_non_loopback_listen_with_allow_remote(listen: str) -> None:
+    server = parse(with_section("server", {"listen": listen, "allow_remote": True})).server
+    assert server.allow_remote and not server.loopback
+    assert listen.endswith(f":{server.port}") and server.host in listen
+
+
+@pytest.mark.parametrize("allow_remote", [False, True])
+def test_listen_star_is_not_a_host(allow_remote: bool) -> None:
+    doc = with_section("server", {"listen": "*:8421", "allow_remote": allow_remote})
+    exc = config_error(doc)
+    assert_names_key(exc, "server.listen")
+    assert "'*' is not a host" in str(exc) and "0.0.0.0" in str(exc)
+
+
+@pytest.mark.parametrize(
+    "listen",
+    ["::1:8421", "[nothost]:1", "[127.0.0.1]:1", "127.1:1", "999.1.1.1:1", "a b:1", "-x:1", ".:1"],
+)
+def test_listen_host_that_is_not_an_address_is_named(listen: str) -> None:
+    doc = with_section("server", {"listen": listen, "allow_remote": True})
+    assert_names_key(config_error(doc), "server.listen")
+
+
+def test_allow_remote_must_be_a_boolean() -> None:
+    doc = with_section("server", {"listen": "0.0.0.0:1", "allow_remote": "yes"})
+    assert_names_key(config_error(doc), "server.allow_remote")
+
+
+def test_check_refuses_a_public_listen_address(tmp_path: Path) -> None:
+    text = f'{MINIMAL}[server]\nlisten = "0.0.0.0:8421"\n'
+    assert_check_refuses(run_check(write_job(tmp_path, text), tmp_path), "server.listen")
+
+
+@pytest.mark.parametrize("price", [0, 0.0, None])
+def test_budget_needs_a_positive_price(price: float | None) -> None:
+    # Before: price 0 was accepted, and a budget at $0/h never fires.
+    limits: dict[str, Any] = {"budget_usd": 50}
+    if price is not None:
+        limits["price_usd_per_hour"] = price
+    exc = config_error(with_section("limits", limits))
+    assert_names_key(exc, "limits.price_usd_per_hour")
+    assert "budget_usd needs price_usd_per_hour > 0" in str(exc)
+
+
+def test_price_without_budget_may_be_zero() -> None:
+    limits = parse(with_section("limits", {"price_usd_per_hour": 0})).limits
+    assert limits.price_usd_per_hour == 0.0 and limits.budget_usd is None
+
+
+# ---------------------------------------------------------------- [train] keys against LibreYOLO
+
+
+@requires_libreyolo
+def test_misspelt_train_key_is_refused_with_the_closest_valid_one(tmp_path: Path) -> None:
+    path = write_job(tmp_path, f"{MINIMAL}epoch = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert_names_key(info.value, "train.epoch")
+    assert "did you mean epochs?" in str(info.value)
+    assert LIBREYOLO.label in str(info.value)
+
+
+@requires_libreyolo
+def test_check_refuses_a_misspelt_train_key(tmp_path: Path) -> None:
+    proc = run_check(write_job(tmp_path, f"{MINIMAL}epoch = 1\nsave_perod = 2\n"), tmp_path)
+    assert_check_refuses(proc, "train.epoch", "did you mean epochs")
+
+
+@requires_libreyolo
+def test_check_says_what_the_train_keys_were_checked_against(tmp_path: Path) -> None:
+    proc = run_check(write_job(tmp_path, FULL_JOB), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"checked against {LIBREYOLO.label}" in proc.stdout
+
+
+@requires_libreyolo
+def test_agent_keys_and_libreyolo_keys_pass_load_job(tmp_path: Path) -> None:
+    text = (
+        f"{MINIMAL}stop_grace = '1m'\nkill_grace = 5\nmosaic = 0.5\nno_aug_epochs = 2\n"
+        "amp = false\nclass_balanced = true\ncache = 'ram'\n"
+    )
+    job = load_job(write_job(tmp_path, text))
+    assert job.train.stop_grace_s == 60.0 and job.train.get("mosaic") == 0.5
+
+
+@requires_libreyolo
+def test_demo_and_test_jobs_use_only_libreyolo_train_options(tmp_path: Path) -> None:
+    from agent import demo
+    from tests.support import tiny_job
+
+    jobs = [
+        demo.demo_job(tmp_path / "demo"),
+        tiny_job(tmp_path, tmp_path / "data.yaml", train="save_period = 1"),
+        parse_job(FULL_JOB, base_dir=tmp_path),
+    ]
+    for job in jobs:
+        check_train_options(job.train, LIBREYOLO)  # raises on an unknown key
+    used = {k for job in jobs for k, _ in job.train.args}
+    assert {"model", "pretrained", "data", "epochs", "imgsz", "batch", "workers"} <= used
+    assert {"device", "save_period", "lr0"} <= used
+
+
+def test_train_keys_are_not_checked_when_the_options_are_unknown() -> None:
+    train = parse(with_section("train", {"epoch": 1})).train
+    check_train_options(train, TrainOptions(reason="libreyolo is not installed for this Python"))
+    with pytest.raises(ConfigError) as info:
+        check_train_options(train, TrainOptions(names=frozenset({"data", "epochs"}), version="9"))
+    assert "did you mean epochs?" in str(info.value) and "LibreYOLO 9" in str(info.value)
+
+
+def test_unknown_train_key_with_nothing_close_points_at_the_help() -> None:
+    train = parse(with_section("train", {"zzzz": 1})).train
+    with pytest.raises(ConfigError) as info:
+        check_train_options(train, TrainOptions(names=frozenset({"data", "epochs"})))
+    assert_names_key(info.value, "train.zzzz")
+    assert "libreyolo train --help" in str(info.value)
+
+
+def test_agent_only_install_skips_the_train_key_check(tmp_path: Path) -> None:
+    # -S: no site-packages, so neither libreyolo nor any other dependency is importable.
+    path = write_job(tmp_path, f"{MINIMAL}epoch = 1\n")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "from agent.cli import main\n"
+        f"sys.exit(main(['check', {str(path)!r}]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state")},
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not checked" in proc.stdout and "libreyolo is not installed" in proc.stdout
+
+
+@pytest.mark.parametrize("key", ["dry_run", "help_json"])
+def test_train_options_that_do_not_train_are_refused(key: str) -> None:
+    exc = config_error(with_section("train", {key: True}))
+    assert_names_key(exc, f"train.{key}")
+    assert "without training" in str(exc)
+
+
+# ---------------------------------------------------------------------- [dataset] data checks
+
+
+def test_data_checks_default_on_for_every_job() -> None:
+    job = parse(base_doc())
+    assert job.dataset is None
+    assert job.data_check == DataCheckSection(doctor=True, allow_outside_paths=False)
+
+
+def test_staged_dataset_runs_the_doctor_by_default() -> None:
+    job = parse(with_section("dataset", VALID_DATASET))
+    assert job.dataset is not None and job.dataset.doctor
+    assert job.data_check.doctor and not job.data_check.allow_outside_paths
+
+
+@pytest.mark.parametrize(
+    ("values", "check"),
+    [
+        ({"doctor": False}, DataCheckSection(doctor=False)),
+        ({"allow_outside_paths": True}, DataCheckSection(allow_outside_paths=True)),
+        ({}, DataCheckSection()),
+    ],
+)
+def test_dataset_table_without_a_repo_only_sets_the_checks(
+    values: dict[str, Any], check: DataCheckSection
+) -> None:
+    job = parse(with_section("dataset", values))
+    assert job.dataset is None  # nothing to stage: train.data is a local file
+    assert job.data_check == check
+
+
+def test_doctor_false_reaches_the_staged_dataset_too() -> None:
+    job = parse(with_section("dataset", {**VALID_DATASET, "doctor": False}))
+    assert job.dataset is not None and not job.dataset.doctor and not job.data_check.doctor
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"doctor": False, "revision": "v1"}, "dataset.repo"),
+        ({"data_yaml": "d/data.yaml"}, "dataset.repo"),
+        ({"dest": "/data"}, "dataset.repo"),
+        ({"repo": "org/ds", "doctor": False}, "dataset.file"),
+        ({"allow_outside_paths": "yes"}, "dataset.allow_outside_paths"),
+        ({"doctor": 1}, "dataset.doctor"),
+    ],
+)
+def test_dataset_table_mistakes_are_named(values: dict[str, Any], key: str) -> None:
+    assert_names_key(config_error(with_section("dataset", values)), key)
+
+
+def test_unknown_key_in_a_checks_only_dataset_table_lists_every_key() -> None:
+    exc = config_error(with_section("dataset", {"docter": False}))
+    assert_names_key(exc, "dataset.docter")
+    for key in ("doctor", "allow_outside_paths", "repo", "file", "data_yaml"):
+        assert key in str(exc)
+
+
+# ------------------------------------------------------------------- load_job: only ConfigError
+
+
+def test_job_file_larger_than_the_limit_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(MINIMAL.encode() + b"#" * MAX_JOB_FILE_BYTES)
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert_names_key(info.value, str(path))
+    assert "larger than" in str(info.value)
+
+
+def test_job_file_with_a_utf8_bom_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + MINIMAL.encode())
+    assert load_job(path).train.get("data") == "/data/set/data.yaml"
+
+
+TOML_FRAGMENTS = [
+    "[job]\n",
+    "[train]\n",
+    "[dataset]\n",
+    "[sync]\n",
+    "[server]\n",
+    "[limits]\n",
+    "[[train]]\n",
+    "[job.x]\n",
+    'data = "/d.yaml"\n',
+    'name = "a\\u0000b"\n',
+    'runs_dir = "/r\\nx"\n',
+    '"\\u0000" = 1\n',
+    'listen = "0.0.0.0:1"\n',
+    'listen = "*:1"\n',
+    f'listen = "127.0.0.1:{HUGE}"\n',
+    "allow_remote = true\n",
+    f"epochs = {HUGE}\n",
+    f"x = 0x{'f' * 5000}\n",
+    f"x = {2**63}\n",
+    "epochs = 3\n",
+    "epoch = 1\n",
+    "dry_run = true\n",
+    'target = "hf://a/b@c"\n',
+    'target = "hf://../x"\n',
+    'target = "file:///a?b"\n',
+    'repo = "a/b"\n',
+    'file = "x.tar"\n',
+    'data_yaml = "../d.yaml"\n',
+    "doctor = false\n",
+    "allow_outside_paths = true\n",
+    "budget_usd = 5\n",
+    "price_usd_per_hour = 0\n",
+    "a.b.c = 1\n",
+    "x = [[[1]]]\n",
+    "t = 1979-05-27T07:32:00Z\n",
+    "x = 1e999\n",
+    "x = nan\n",
+    "x = {a = [1, {b = 2}]}\n",
+    '"" = ""\n',
+    "\ufeff",
+    "=",
+    '"',
+]
+
+
+@st.composite
+def toml_ish(draw: st.DrawFn) -> str:
+    parts = draw(st.lists(st.sampled_from(TOML_FRAGMENTS) | st.text(max_size=12), max_size=14))
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def check_load(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    try:
+        job = load_job(path)
+    except ConfigError as exc:
+        assert exc.key in str(exc) and str(exc).isprintable(), repr(str(exc))
+        return
+    assert isinstance(job, Job) and job.train.get("data") is not None
+    assert job.server.loopback or job.server.allow_remote
+    assert not (job.limits.budget_usd and not job.limits.price_usd_per_hour)
+
+
+@HYPOTHESIS
+@given(toml_ish())
+def test_load_job_raises_only_config_error_for_toml_ish_text(fuzz_dir: Path, text: str) -> None:
+    check_load(fuzz_dir / "job.toml", text.encode("utf-8", "surrogatepass"))
+
+
+@HYPOTHESIS
+@given(documents())
+def test_load_job_raises_only_config_error_for_random_documents(
+    fuzz_dir: Path, doc: dict[str, Any]
+) -> None:
+    check_load(fuzz_dir / "job.toml", to_toml(doc).encode("utf-8", "surrogatepass"))
+
+
+@HYPOTHESIS
+@given(st.binary(max_size=300))
+def test_load_job_raises_only_config_error_for_random_bytes(fuzz_dir: Path, data: bytes) -> None:
+    check_load(fuzz_dir / "job.toml", data)
