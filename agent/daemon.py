@@ -16,12 +16,15 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 from .config import Env, Job
+from .crashpoints import crashpoint
 from .limits import check_limits, deadlines
 from .providers import TeardownResult, make_provider
 from .rundir import RunStatus, RunWatcher, find_run_dir, pid_alive, read_status
@@ -29,7 +32,15 @@ from .server import StatusServer
 from .sinks import make_sink
 from .state import Phase, Reason, RunState, StateStore, atomic_write_json, transition
 from .sync import AGENT_FILES, SyncEngine
-from .trainer import Outcome, Trainer, TrainerError, build_argv, classify, read_result
+from .trainer import (
+    Outcome,
+    Trainer,
+    TrainerError,
+    build_argv,
+    classify,
+    find_launched,
+    read_result,
+)
 
 log = logging.getLogger("agent.daemon")
 
@@ -39,6 +50,20 @@ REPORT_SYNC_TIMEOUT_S = 120.0
 STAGING_ATTEMPTS = 5
 #: A hook run in STAGING (the demo job makes its synthetic dataset there).
 StageHook = Callable[[], None]
+#: This many agent crashes in a row, with no progress between them, is a crash loop: the agent
+#: stops restarting into it and takes the (gated) teardown decision instead.
+MAX_CRASHES = 3
+#: Order of the phases along the spine, to tell progress from a restart into the same place.
+_SPINE = (
+    Phase.BOOTING,
+    Phase.PREFLIGHT,
+    Phase.STAGING,
+    Phase.TRAINING,
+    Phase.FINISHING,
+    Phase.TEARDOWN,
+    Phase.HELD,
+    Phase.DONE,
+)
 
 
 class AgentError(Exception):
@@ -62,7 +87,10 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         poll_interval_s: float = 5.0,
         on_ready: Callable[[Daemon], None] | None = None,
+        fresh_start: Callable[[], None] | None = None,
     ) -> None:
+        """``fresh_start`` runs once this agent holds the state directory's lock, before the
+        state is read (the demo wipes its own folder there, never one another agent uses)."""
         self.job = job
         self.env = env
         self.store = StateStore(env.state_dir)
@@ -70,6 +98,7 @@ class Daemon:
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.on_ready = on_ready
+        self.fresh_start = fresh_start
         self.state = RunState(job_name=job.job.name, job_source=job.source)
         self.trainer: Trainer | None = None
         self.run_dir: Path | None = None
@@ -82,6 +111,10 @@ class Daemon:
         self._last_progress_at = clock()
         self._tasks: set[asyncio.Task[None]] = set()
         self.flags: Flags | None = None
+        #: The last failure to write state.json (full disk...): shown in /status, logged once.
+        self.state_write_error: str | None = None
+        #: Turns of the training loop (each a wake-up: an event, a file change or the poll).
+        self.loop_turns = 0
 
     # ------------------------------------------------------------------ entry
 
@@ -97,10 +130,14 @@ class Daemon:
                 "set LIBREYOLO_AGENT_STATE_DIR to a writable folder"
             ) from exc
         lock = self._lock_state_dir()
-        file_handler = logging.FileHandler(self.store.path("agent.log"))
-        file_handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        try:
+            if self.fresh_start is not None:
+                self.fresh_start()
+            file_handler = _private_log_handler(self.store.path("agent.log"))
+        except BaseException:
+            os.close(lock)
+            self._remove_signal_handlers()
+            raise
         agent_log = logging.getLogger("agent")
         agent_log.addHandler(file_handler)
         # agent.log is the record a person reads after the fact: always at INFO.
@@ -110,14 +147,26 @@ class Daemon:
             return await self._run()
         except AgentError:
             raise
-        except Exception:
+        except Exception as exc:
             log.exception("agent crashed in phase %s", self.state.phase.value)
+            self._record_crash(exc)
             raise
         finally:
             agent_log.removeHandler(file_handler)
             file_handler.close()
             os.close(lock)
             self._remove_signal_handlers()
+
+    def _record_crash(self, exc: BaseException) -> None:
+        """Count the crash in state.json, so the next agent can tell a crash loop."""
+        self.state.crashes.append(
+            {
+                "at": self.clock(),
+                "phase": self.state.phase.value,
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+            }
+        )
+        self._save()
 
     def _lock_state_dir(self) -> int:
         """One agent per state directory: two would both drive (and stop) the same trainer."""
@@ -161,7 +210,14 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
-        previous = self.store.load()
+        try:
+            previous = self.store.load()
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AgentError(
+                f"{self.store.state_path} is unreadable ({type(exc).__name__}: {exc}); the "
+                "previous run's state is unknown, so the agent will not guess (it could start "
+                "a second trainer): inspect it, then remove it to start the job over"
+            ) from exc
         resume_at = self._adopt(previous)
         if resume_at is None:
             return 0
@@ -169,6 +225,9 @@ class Daemon:
             self.sync = SyncEngine(
                 make_sink(self.job.sync, self.env), self.job.sync, state_dir=self.env.state_dir
             )
+            # What a killed agent promised and had not delivered is queued again; its leftover
+            # snapshots are reused or removed.
+            await self.sync.recover(self.run_dir)
             self._spawn(self.sync.run(), "sync")
         await self._start_server()
         self._save()
@@ -180,7 +239,11 @@ class Daemon:
             await self._shutdown()
 
     def _adopt(self, previous: RunState | None) -> Phase | None:
-        """Decide where to start from what a previous agent left. None: nothing to do."""
+        """Decide where to start from what a previous agent left. None: nothing to do.
+
+        A restart resumes the phase it was in: TRAINING re-attaches to the live trainer (or, if
+        it is gone, syncs everything its run wrote), FINISHING finishes, TEARDOWN reads back
+        before it sends anything again. Only a run that never reached TRAINING starts over."""
         if previous is None:
             return Phase.PREFLIGHT
         if previous.job_name != self.job.job.name:
@@ -201,26 +264,52 @@ class Daemon:
             self.state = previous
             return None
         # Carry over what must survive restarts: the job's clock, its history, its trainer.
+        was = previous.phase
         self.state = previous
         self.state.agent_pid = os.getpid()
         self.state.phase = Phase.BOOTING
         self.state.history.append(
-            {"at": self.clock(), "event": "agent restarted", "was": previous.phase.value}
+            {"at": self.clock(), "event": "agent restarted", "was": was.value}
         )
-        if previous.phase in (Phase.TRAINING, Phase.FINISHING, Phase.TEARDOWN, Phase.HELD):
-            if previous.trainer and previous.trainer.run_dir:
-                self.run_dir = Path(previous.trainer.run_dir)
-            if previous.phase == Phase.TRAINING:
-                return Phase.TRAINING
-            if previous.phase == Phase.FINISHING:
-                return Phase.FINISHING
+        if previous.trainer and previous.trainer.run_dir:
+            self.run_dir = Path(previous.trainer.run_dir)
+        if len(self.state.crashes) >= MAX_CRASHES:
+            return Phase.FAILED  # a crash loop: the caller takes the teardown decision
+        if was == Phase.TRAINING or (
+            was in (Phase.BOOTING, Phase.PREFLIGHT, Phase.STAGING)
+            and (previous.trainer is not None or previous.launch is not None)
+        ):
+            return Phase.TRAINING
+        if was == Phase.FINISHING:
+            return Phase.FINISHING
+        if was in (Phase.TEARDOWN, Phase.HELD):
             return Phase.TEARDOWN
         return Phase.PREFLIGHT
+
+    def _progress(self, phase: Phase) -> None:
+        """Real progress (a later phase than any crash was in, or an epoch): forget crashes."""
+        if not self.state.crashes:
+            return
+        crashed_at = max(_SPINE.index(Phase(c["phase"])) for c in self.state.crashes)
+        if phase not in _SPINE or _SPINE.index(phase) > crashed_at:
+            self.state.crashes.clear()
 
     # ------------------------------------------------------------------ phases
 
     async def _phases(self, start: Phase) -> int:
         assert self.flags is not None
+        if start == Phase.FAILED:
+            crashes = self.state.crashes
+            self.state.cause = (
+                f"the agent crashed {len(crashes)} times in a row "
+                f"(last in {crashes[-1]['phase']}: {crashes[-1]['error']}); "
+                "not restarting into it again"
+            )
+            log.error("crash loop: %s", self.state.cause)
+            return await self._teardown_phase(Reason.AGENT_FAILED)
+        if start == Phase.TEARDOWN:
+            assert self.state.reason is not None
+            return await self._teardown_phase(self.state.reason, resumed=True)
         if start == Phase.PREFLIGHT:
             if self.job.preflight.enabled:
                 transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT
@@ -244,6 +333,7 @@ class Daemon:
             start = Phase.TRAINING
         if start == Phase.TRAINING:
             transition(self.state, Phase.TRAINING)  # STAGING|BOOTING -> TRAINING
+            self._progress(Phase.TRAINING)
             self._save()
             reason = await self._training()
             if reason is None:
@@ -252,6 +342,7 @@ class Daemon:
             start = Phase.FINISHING
         if start == Phase.FINISHING:
             transition(self.state, Phase.FINISHING)  # TRAINING|BOOTING -> FINISHING
+            self._progress(Phase.FINISHING)
             self._save()
             if not await self._finishing():
                 return 0  # state.json still says FINISHING: the next agent carries on
@@ -263,7 +354,7 @@ class Daemon:
 
         report = await preflight.run_preflight(self.job, self.env)
         self.preflight_report = report.to_dict()
-        atomic_write_json(self.store.path("preflight.json"), self.preflight_report)
+        self._write_report("preflight.json", self.preflight_report)
         for check in report.warnings():
             log.warning(
                 "preflight warning: %s: %s%s",
@@ -289,11 +380,14 @@ class Daemon:
                 while True:
                     attempt += 1
                     try:
+                        # The data YAML check (and doctor) below covers staged and local
+                        # datasets alike: not twice here.
                         result = await asyncio.to_thread(
                             stage_dataset,
                             self.job.dataset,
                             self.env,
                             data_yaml=str(data) if data is not None else None,
+                            check=False,
                         )
                         break
                     except StagingError as exc:
@@ -322,10 +416,52 @@ class Daemon:
             if self.stage_hook is not None:
                 await asyncio.to_thread(self.stage_hook)
                 self.staging_report = self.staging_report or {"ok": True}
-            return True
+            assert self.flags is not None
+            if self.flags.shutdown.is_set() or self.flags.stop_job.is_set():
+                return True  # no trainer will start: nothing to check
+            return await self._check_data()
         finally:
             if self.staging_report is not None:
-                atomic_write_json(self.store.path("staging.json"), self.staging_report)
+                self._write_report("staging.json", self.staging_report)
+
+    async def _check_data(self) -> bool:
+        """Every job's data YAML, staged or local, is checked before a GPU is paid for: it must
+        read, stay inside a staged dataset, and (``dataset.doctor``, on by default) pass
+        ``libreyolo doctor``. A broken dataset is found here, not by the GPU at epoch 0."""
+        from .dataset import StagingError, check_data_yaml
+
+        data = self.job.train.get("data")
+        if data is None:
+            return True
+        report = self.staging_report or {"ok": True}
+        try:
+            check = await asyncio.to_thread(
+                check_data_yaml,
+                Path(str(data)),
+                doctor=self.job.data_check.doctor,
+                allow_outside_paths=self.job.data_check.allow_outside_paths,
+                staged_root=self.job.dataset.dest if self.job.dataset is not None else None,
+            )
+        except StagingError as exc:
+            self.state.cause = f"dataset check failed: {exc}"
+            self.staging_report = {**report, "ok": False, "error": str(exc)}
+            self.staging_report["findings"] = exc.findings
+            log.error("dataset check failed: %s", exc)
+            return False
+        for warning in check.warnings:
+            log.warning("dataset: %s", warning)
+        log.info("dataset %s checked (doctor %s)", check.data_yaml, check.doctor_status)
+        self.staging_report = {
+            **report,
+            "data_check": {
+                "data_yaml": str(check.data_yaml),
+                "root": str(check.root),
+                "doctor_status": check.doctor_status,
+                "doctor": check.doctor,
+                "warnings": check.warnings,
+            },
+        }
+        return True
 
     async def _shutdown_wait(self) -> None:
         assert self.flags is not None
@@ -338,28 +474,23 @@ class Daemon:
         flags = self.flags
         launched_at = self.clock()
         if self.state.trainer is not None:
+            launched_at = self.state.trainer.started_at
             self.trainer = Trainer.attach(self.state.trainer)
             if self.trainer is None:
                 log.warning(
-                    "trainer pid=%d from the previous agent is gone", self.state.trainer.pid
+                    "trainer pid=%d from the previous agent is gone; syncing what its run wrote",
+                    self.state.trainer.pid,
                 )
+                self._find_dead_run_dir()
                 return self._classify_and_reason(None, stop_reason=None)
         else:
-            try:
-                argv = build_argv(self.job)
-                self.trainer = await Trainer.launch(
-                    argv,
-                    log_path=self.store.path("trainer.log"),
-                    result_path=self.store.path("trainer-result.json"),
-                    cwd=self.job.job.runs_dir,
-                )
-            except TrainerError as exc:
-                self.state.cause = str(exc)
-                log.error("%s", exc)
-                return Reason.TRAINING_FAILED
-            self.state.trainer = self.trainer.record
-            self._save()
+            failed = await self._launch_or_adopt()
+            if failed is not None:
+                return failed
+            assert self.state.trainer is not None
+            launched_at = self.state.trainer.started_at
         trainer = self.trainer
+        assert trainer is not None
 
         changed = asyncio.Event()
         watcher = RunWatcher(asyncio.get_running_loop(), changed)
@@ -371,7 +502,8 @@ class Daemon:
         stop_task: asyncio.Future[str] | None = None
         try:
             while True:
-                self._follow(launched_at)
+                self.loop_turns += 1
+                await self._follow(launched_at)
                 if exit_task.done():
                     break
                 if stop_task is None:
@@ -400,12 +532,14 @@ class Daemon:
                         return None
                     stop_reason = Reason.STOPPED_BY_USER
                     stop_task = asyncio.ensure_future(self._stop_trainer())
-                waiters: set[asyncio.Future[Any]] = {
-                    exit_task,
-                    asyncio.ensure_future(changed.wait()),
-                    asyncio.ensure_future(flags.stop_job.wait()),
-                    asyncio.ensure_future(flags.shutdown.wait()),
-                }
+                # Only events that have not fired yet: a set Event's wait() returns at once, and
+                # waiting on it would spin this loop until the trainer is gone.
+                waiters: set[asyncio.Future[Any]] = {exit_task}
+                waiters.add(asyncio.ensure_future(changed.wait()))
+                if stop_task is None and not flags.stop_job.is_set():
+                    waiters.add(asyncio.ensure_future(flags.stop_job.wait()))
+                if not flags.shutdown.is_set():
+                    waiters.add(asyncio.ensure_future(flags.shutdown.wait()))
                 try:
                     await asyncio.wait(
                         waiters, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
@@ -423,8 +557,61 @@ class Daemon:
                 exit_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await exit_task
-        self._follow(launched_at)
+        await self._follow(launched_at)
         return self._classify_and_reason(trainer.exit_code, stop_reason)
+
+    async def _launch_or_adopt(self) -> Reason | None:
+        """Start the trainer, safe against this agent being killed at any instant: the launch
+        id is saved before the spawn and the pid right after; a restarted agent that finds an
+        id without a pid adopts the process carrying that id instead of launching a second
+        trainer. Returns a reason only when the launch failed."""
+        launch = self.state.launch
+        if launch is not None:
+            orphan = await asyncio.to_thread(find_launched, str(launch["id"]))
+            if orphan is not None:
+                self.trainer = Trainer.adopt(orphan, list(launch["argv"]))
+                self.state.trainer = self.trainer.record
+                self._save()
+                return None
+            log.warning(
+                "a previous agent started a launch (id %s) but no such trainer runs; launching",
+                launch["id"],
+            )
+        try:
+            argv = build_argv(self.job)
+            launch_id = uuid.uuid4().hex
+            self.state.launch = {"id": launch_id, "argv": argv, "at": self.clock()}
+            self._save(required=True)
+            self.trainer = await Trainer.launch(
+                argv,
+                log_path=self.store.path("trainer.log"),
+                result_path=self.store.path("trainer-result.json"),
+                cwd=self.job.job.runs_dir,
+                launch_id=launch_id,
+            )
+        except (TrainerError, OSError) as exc:
+            message = str(exc) if isinstance(exc, TrainerError) else _os_error(exc)
+            self.state.cause = f"cannot start the trainer: {message}"
+            log.error("%s", self.state.cause)
+            return Reason.TRAINING_FAILED
+        crashpoint("after-launch")
+        self.state.trainer = self.trainer.record
+        self._save()
+        return None
+
+    def _find_dead_run_dir(self) -> None:
+        """The trainer died with the previous agent: find its run dir from the state file, else
+        by the pid its status.json names, else from its json result."""
+        if self.run_dir is not None or self.state.trainer is None:
+            return
+        rec = self.state.trainer
+        self.run_dir = find_run_dir(
+            self.job.job.runs_dir, {rec.pid}, newer_than=rec.started_at - 5
+        ) or _run_dir_from_result(read_result(self.store.path("trainer-result.json")))
+        if self.run_dir is not None:
+            log.info("run directory of the dead trainer: %s", self.run_dir)
+            rec.run_dir = str(self.run_dir)
+            self._save()
 
     async def _stop_trainer(self) -> str:
         assert self.trainer is not None
@@ -454,7 +641,7 @@ class Daemon:
         self.state.cause = f"trainer {outcome.kind}: {outcome.message}"
         return Reason.TRAINING_FAILED
 
-    def _follow(self, launched_at: float) -> None:
+    async def _follow(self, launched_at: float) -> None:
         """Read the run dir (found by pid) and feed new epochs to the sync policy."""
         if self.run_dir is None and self.trainer is not None:
             self.run_dir = find_run_dir(
@@ -474,6 +661,8 @@ class Daemon:
         self.status = status
         if previous is None or status.completed_epochs != previous.completed_epochs:
             self._last_progress_at = self.clock()
+            if previous is not None:
+                self.state.crashes.clear()  # an epoch went by: whatever crashed was survivable
             if status.completed_epochs == 0:
                 log.info("training started (%s epochs)", status.total_epochs)
                 self._save()
@@ -485,7 +674,7 @@ class Daemon:
                 f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
             )
             if self.sync is not None:
-                self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
+                await self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
             self._save()
 
     def _agent_files(self) -> list[Path]:
@@ -502,8 +691,9 @@ class Daemon:
             self.status = read_status(self.run_dir) or self.status
         self._save()
         clean = bool(self.state.outcome and self.state.outcome.get("kind") == "completed")
-        self.sync.final(self.run_dir, self.status, self._agent_files(), clean_exit=clean)
+        await self.sync.final(self.run_dir, self.status, self._agent_files(), clean_exit=clean)
         self.sync.retry_now()
+        crashpoint("finishing")
         timeout = self.job.sync.finish_timeout_s
         drain = asyncio.ensure_future(self.sync.drain(timeout))
         exiting = asyncio.ensure_future(self.flags.shutdown.wait())
@@ -515,7 +705,10 @@ class Daemon:
             return False
         if not drain.result():
             log.error("final sync did not finish within %.0fs", timeout)
-        result = await self.sync.verify_all()
+        # "Verified" means what is on disk is on the target, not only what the ledger promised.
+        result = await self.sync.verify_all(
+            self.run_dir, completed_epochs=self.status.completed_epochs if self.status else None
+        )
         if result.sync_verified:
             log.info(
                 "sync verified: %d file(s) match on %s", result.checked, self.sync.sink.description
@@ -535,38 +728,66 @@ class Daemon:
         if self.sync is None or self.job.sync is None:
             return
         self._save()
-        self.sync.final(None, None, self._agent_files())
+        await self.sync.final(None, None, self._agent_files())
         if not await self.sync.drain(min(self.job.sync.finish_timeout_s, REPORT_SYNC_TIMEOUT_S)):
             log.warning("the failure report could not be uploaded in time; tearing down anyway")
 
-    async def _teardown_phase(self, reason: Reason) -> int:
-        transition(self.state, Phase.TEARDOWN, reason=reason)  # ... -> TEARDOWN
+    async def _teardown_phase(self, reason: Reason, *, resumed: bool = False) -> int:
+        if not resumed:
+            transition(self.state, Phase.TEARDOWN, reason=reason)  # ... -> TEARDOWN
+        else:
+            transition(self.state, Phase.TEARDOWN, note="resumed")  # BOOTING -> TEARDOWN
         self._save()
-        action, why = self._teardown_action(reason)
         provider = make_provider(self.job.teardown)
-        self.state.teardown = {
-            "provider": provider.name,
-            "action": action,
-            "why": why,
-            "started_at": self.clock(),
-        }
-        self._save()  # irreversible steps are recorded as started first
-        result: TeardownResult = await provider.teardown(action, reason.value)
-        self.state.teardown.update(result.to_dict())
-        self.state.teardown["finished_at"] = self.clock()
+        record = self.state.teardown
+        result: TeardownResult | None = None
+        if resumed and record is not None and record.get("action"):
+            # A previous agent decided (and maybe sent) this already: the decision stands, and
+            # the provider is asked where things are before anything is sent again.
+            action = str(record["action"])
+            log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
+            if record.get("confirmed"):
+                result = TeardownResult(
+                    action, bool(record.get("performed")), True, str(record.get("detail", ""))
+                )
+            else:
+                result = await provider.read_back(action)
+        else:
+            action, why = self._teardown_action(reason)
+            self.state.teardown = record = {
+                "provider": provider.name,
+                "action": action,
+                "why": why,
+                "started_at": self.clock(),
+            }
+            self._save(required=True)  # irreversible steps are recorded as started first
+        if result is None:
+            crashpoint("teardown-sending")
+            result = await provider.teardown(action, reason.value)
+        record.update(result.to_dict())
+        record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
         self._save()
+        if self.sync is not None:
+            await self.sync.cleanup()
         log.info(
             "job %s done: reason=%s cause=%s", self.job.job.name, reason.value, self.state.cause
         )
         return 0
 
     def _teardown_action(self, reason: Reason) -> tuple[str, str]:
+        """destroy | stop | keep, and why. Every destroy passes the verified-sync gate; only a
+        failure before anything was trained (no trainer, no checkpoint on disk) has nothing
+        to save."""
         td = self.job.teardown
-        if reason == Reason.PREFLIGHT_FAILED:
+        if reason == Reason.PREFLIGHT_FAILED and not self._anything_to_save():
             return td.on_preflight_failure, "preflight failed: nothing trained, nothing to save"
-        action = td.on_success if reason == Reason.COMPLETED else td.on_failure
-        why = f"teardown.on_{'success' if reason == Reason.COMPLETED else 'failure'} = {action}"
+        if reason == Reason.PREFLIGHT_FAILED:
+            action = td.on_preflight_failure
+            why = f"teardown.on_preflight_failure = {action} (a trainer ran or checkpoints exist)"
+        else:
+            action = td.on_success if reason == Reason.COMPLETED else td.on_failure
+            why = f"teardown.on_{'success' if reason == Reason.COMPLETED else 'failure'} = {action}"
         verified = bool(
             self.sync and self.sync.verify_result and self.sync.verify_result.sync_verified
         )
@@ -577,6 +798,19 @@ class Daemon:
                 "(teardown.require_verified_sync)"
             )
         return action, why
+
+    def _anything_to_save(self) -> bool:
+        """A trainer was started (or about to be), or this job's runs hold a checkpoint."""
+        if self.state.trainer is not None or self.state.launch is not None:
+            return True
+        if self.run_dir is not None and any((self.run_dir / "weights").glob("*.pt")):
+            return True
+        try:
+            return any(
+                self.job.job.runs_dir.glob(f"{glob_escape(self.job.job.name)}*/weights/*.pt")
+            )
+        except OSError:
+            return True  # cannot tell: assume there is
 
     # ------------------------------------------------------------------ plumbing
 
@@ -646,8 +880,30 @@ class Daemon:
         if self.server is not None:
             await self.server.stop()
 
-    def _save(self) -> None:
-        self.store.save(self.state)
+    def _write_report(self, name: str, data: dict[str, Any]) -> None:
+        """A report is worth keeping, not worth crashing for (a full disk): log and go on."""
+        try:
+            atomic_write_json(self.store.path(name), data)
+        except OSError as exc:
+            log.error("cannot write %s: %s", name, _os_error(exc))
+
+    def _save(self, *, required: bool = False) -> None:
+        """Persist the state. Out of disk the agent keeps supervising with the state in memory
+        (and says so in /status); ``required`` saves (a launch intent, a teardown decision)
+        raise instead, because acting without the record could not be undone safely."""
+        try:
+            self.store.save(self.state)
+        except OSError as exc:
+            message = f"cannot write {self.store.state_path}: {_os_error(exc)}"
+            if message != self.state_write_error:
+                log.error("%s; the agent carries on with its state in memory", message)
+            self.state_write_error = message
+            if required:
+                raise
+        else:
+            if self.state_write_error is not None:
+                log.info("state.json written again")
+            self.state_write_error = None
 
     # ------------------------------------------------------------------ status
 
@@ -686,7 +942,23 @@ class Daemon:
             "started_at": self.state.started_at,
             "updated_at": self.state.updated_at,
             "agent_pid": self.state.agent_pid,
+            "state_write_error": self.state_write_error,
         }
+
+
+def _os_error(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+
+
+def _private_log_handler(path: Path) -> logging.FileHandler:
+    """agent.log is 0600: it names paths and errors of the user's run."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    with contextlib.suppress(PermissionError):
+        os.chmod(path, 0o600)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    return handler
 
 
 def _run_dir_from_result(result: dict[str, Any] | None) -> Path | None:

@@ -51,6 +51,22 @@ listen = "127.0.0.1:{port}"
     return parse_job(text, source="<demo>", base_dir=root)
 
 
+def reset(root: Path) -> None:
+    """Start the demo over: its runs, synced copies and state (but the lock file, which the
+    caller holds). Touches nothing outside ``root``."""
+    for sub in ("runs", "synced"):
+        shutil.rmtree(root / sub, ignore_errors=True)
+    state = root / "state"
+    if state.is_dir():
+        for child in state.iterdir():
+            if child.name == "agent.lock":
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
 def _png(width: int, height: int, pixels: bytes) -> bytes:
     """A minimal RGB PNG (no imaging library needed: the agent does not depend on one)."""
 

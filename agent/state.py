@@ -46,6 +46,8 @@ class Reason(str, Enum):
     BUDGET = "budget"  #: limits.budget_usd reached
     PREEMPTED = "preempted"  #: the provider announced the box is going away
     STOPPED_BY_USER = "stopped_by_user"  #: ``libreyolo-agent stop`` / POST /stop
+    #: the agent itself crashed again and again in the same place: a person must look
+    AGENT_FAILED = "agent_failed"
 
 
 #: Allowed source phases for each target phase (supervisor's ``_assertInState``).
@@ -111,6 +113,13 @@ class RunState:
     server: dict[str, Any] | None = None
     teardown: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: A launch about to happen (id, argv, at), saved *before* the trainer is spawned: an agent
+    #: killed between spawn and recording the pid finds its orphan by this id, never launching
+    #: a second trainer.
+    launch: dict[str, Any] | None = None
+    #: Agent crashes (unexpected exceptions) since the last progress; a crash loop ends in a
+    #: gated teardown decision instead of restarts that bill.
+    crashes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -135,6 +144,8 @@ class RunState:
             server=d.get("server"),
             teardown=d.get("teardown"),
             history=list(d.get("history", [])),
+            launch=d.get("launch"),
+            crashes=list(d.get("crashes", [])),
         )
 
 
@@ -160,7 +171,7 @@ def transition(
     log.info("phase %s -> %s%s%s", source.value, target.value, extra, f" ({note})" if note else "")
 
 
-def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o600) -> None:
     """Write ``text`` to ``path`` so readers see the old or the new file, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -177,7 +188,7 @@ def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
         raise
 
 
-def atomic_write_json(path: Path, data: Any, *, mode: int = 0o644) -> None:
+def atomic_write_json(path: Path, data: Any, *, mode: int = 0o600) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode)
 
 
@@ -195,7 +206,11 @@ class StateStore:
         return self.root / name
 
     def ensure(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Create the directory, private to the agent's user (0700): it holds the control
+        token, the log (with paths and errors) and the ledger."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(PermissionError):
+            os.chmod(self.root, 0o700)
 
     def load(self) -> RunState | None:
         try:

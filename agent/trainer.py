@@ -176,6 +176,32 @@ def classify(
     return Outcome(kind, exit_code, text)
 
 
+#: Environment variable that marks a trainer with the id of the launch that started it.
+LAUNCH_ENV = "LIBREYOLO_AGENT_LAUNCH_ID"
+
+
+def find_launched(launch_id: str) -> psutil.Process | None:
+    """The live process started with ``LAUNCH_ENV=launch_id`` (the trainer, or the tiny shell
+    about to become it); None when there is none. The id is unique per launch, so a pid reused
+    by an unrelated process never matches."""
+    found: list[psutil.Process] = []
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid == os.getpid():
+                continue
+            if (
+                proc.environ().get(LAUNCH_ENV) == launch_id
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+    if not found:
+        return None
+    # The root of the launch: DataLoader workers and DDP ranks inherit the environment too.
+    pids = {p.pid for p in found}
+    roots = [p for p in found if p.ppid() not in pids]
+    return min(roots or found, key=lambda p: p.info.get("create_time") or 0.0)
+
+
 def process_tree(pid: int) -> list[psutil.Process]:
     """``pid`` and all its descendants (across sessions: psutil follows parent pids)."""
     try:
@@ -210,15 +236,26 @@ class Trainer:
 
     @classmethod
     async def launch(
-        cls, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path
+        cls,
+        argv: list[str],
+        *,
+        log_path: Path,
+        result_path: Path,
+        cwd: Path,
+        launch_id: str | None = None,
     ) -> Trainer:
         """Start ``argv`` detached: own session, stdout (the json result) and stderr in files.
+
+        ``launch_id`` goes into the trainer's environment (``LAUNCH_ENV``): an agent killed
+        between this spawn and recording the pid finds the orphan by it (:func:`find_launched`).
 
         ``posix_spawn`` rather than asyncio's subprocess: an asyncio subprocess transport kills
         its child when it is closed or garbage-collected, and the trainer must outlive the agent.
         """
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if launch_id is not None:
+            env[LAUNCH_ENV] = launch_id
         if "agent.train_entry" in argv:
             # The launcher must import this very agent, installed or run from a source tree.
             root = str(Path(__file__).resolve().parent.parent)
@@ -228,8 +265,8 @@ class Trainer:
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             cwd.mkdir(parents=True, exist_ok=True)
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             if log_fd >= 0:
                 os.close(log_fd)
@@ -258,6 +295,15 @@ class Trainer:
         record = TrainerRecord(pid=pid, create_time=create_time, started_at=time.time(), argv=argv)
         log.info("trainer started pid=%d", pid)
         return cls(record, is_child=True)
+
+    @classmethod
+    def adopt(cls, proc: psutil.Process, argv: list[str]) -> Trainer:
+        """Take over a trainer found by :func:`find_launched` (launched, never recorded)."""
+        record = TrainerRecord(
+            pid=proc.pid, create_time=proc.create_time(), started_at=proc.create_time(), argv=argv
+        )
+        log.info("adopted trainer pid=%d launched by a previous agent", proc.pid)
+        return cls(record, is_child=False)
 
     @classmethod
     def attach(cls, record: TrainerRecord) -> Trainer | None:

@@ -12,10 +12,22 @@ from typing import Any
 from agent.config import Job, parse_job
 
 
-def tiny_job(tmp: Path, data: Path, *, epochs: int = 3, train: str = "", sections: str = "") -> Job:
+def tiny_job(
+    tmp: Path,
+    data: Path,
+    *,
+    epochs: int = 3,
+    train: str = "",
+    sections: str = "",
+    doctor: bool = False,
+) -> Job:
     """yolox-n from scratch at 64x64 on the CPU, preflight off, HTTP on a free port.
 
-    ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table)."""
+    ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table).
+    The dataset doctor (on by default for users, about 5 s of LibreYOLO start-up) is off
+    unless ``doctor``: the tests of the doctor itself turn it on."""
+    if "[dataset]" not in sections:
+        sections += f"\n[dataset]\ndoctor = {'true' if doctor else 'false'}\n"
     text = f"""
 [job]
 name = "run1"

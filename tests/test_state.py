@@ -148,7 +148,7 @@ def test_state_save_leaves_no_temp_files(tmp_path: Path) -> None:
     for _ in range(3):
         store.save(full_state())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
-    assert stat.S_IMODE(store.state_path.stat().st_mode) == 0o644
+    assert stat.S_IMODE(store.state_path.stat().st_mode) == 0o600  # private: paths, errors, pids
 
 
 def test_failed_write_leaves_old_file_and_no_temp_file(tmp_path: Path) -> None:

@@ -36,6 +36,10 @@ class Provider(Protocol):
     async def teardown(self, action: str, reason: str) -> TeardownResult:
         """Carry out ``action`` (destroy | stop | keep) and read back that it took effect."""
 
+    async def read_back(self, action: str) -> TeardownResult | None:
+        """Where the box stands, before a restarted agent sends ``action`` again: a confirmed
+        result when it already took effect, None when unknown or not yet done."""
+
 
 def make_provider(cfg: TeardownSection) -> Provider:
     if cfg.provider == "none":

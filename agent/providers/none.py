@@ -16,3 +16,7 @@ class NoneProvider:
         detail = f"provider 'none': would {action} this machine (reason {reason}); nothing was done"
         log.info("teardown: %s", detail)
         return TeardownResult(action=action, performed=False, confirmed=True, detail=detail)
+
+    async def read_back(self, action: str) -> TeardownResult | None:
+        # Nothing was ever sent, so there is nothing to read back: the dry run is repeated.
+        return None
