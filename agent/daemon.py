@@ -23,22 +23,31 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
-from .config import Env, Job
+from . import teardown
+from .config import Env, Job, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits, deadlines
-from .providers import TeardownResult, make_provider
-from .rundir import RunStatus, RunWatcher, find_run_dir, pid_alive, read_status
+from .providers import Provider, TeardownResult, make_provider
+from .rundir import (
+    RunStatus,
+    RunWatcher,
+    effective_state,
+    find_run_dir,
+    pid_alive,
+    read_metrics,
+    read_status,
+)
 from .server import StatusServer
-from .sinks import make_sink
+from .sinks import Sink, make_sink
 from .state import Phase, Reason, RunState, StateStore, atomic_write_json, transition
 from .sync import AGENT_FILES, SyncEngine
 from .trainer import (
+    Launcher,
     Outcome,
-    Trainer,
+    ProcessLauncher,
     TrainerError,
-    build_argv,
+    TrainerProcess,
     classify,
-    find_launched,
     read_result,
 )
 
@@ -88,19 +97,33 @@ class Daemon:
         poll_interval_s: float = 5.0,
         on_ready: Callable[[Daemon], None] | None = None,
         fresh_start: Callable[[], None] | None = None,
+        launcher: Launcher | None = None,
+        sink: Sink | None = None,
+        provider_factory: Callable[[TeardownSection], Provider] = make_provider,
     ) -> None:
-        """``fresh_start`` runs once this agent holds the state directory's lock, before the
+        """The collaborators come from outside, so the orchestrator is tested with fakes:
+        ``launcher`` starts and finds trainers (default: real processes), ``sink`` is the sync
+        target (default: built from ``[sync]``), ``provider_factory`` builds the teardown
+        provider, ``clock`` is the one clock every deadline is compared with.
+
+        ``fresh_start`` runs once this agent holds the state directory's lock, before the
         state is read (the demo wipes its own folder there, never one another agent uses)."""
         self.job = job
         self.env = env
+        self.launcher: Launcher = launcher or ProcessLauncher()
+        self._sink = sink
+        self.provider_factory = provider_factory
         self.store = StateStore(env.state_dir)
         self.stage_hook = stage_hook
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.on_ready = on_ready
         self.fresh_start = fresh_start
-        self.state = RunState(job_name=job.job.name, job_source=job.source)
-        self.trainer: Trainer | None = None
+        now = clock()
+        self.state = RunState(
+            job_name=job.job.name, job_source=job.source, started_at=now, updated_at=now
+        )
+        self.trainer: TrainerProcess | None = None
         self.run_dir: Path | None = None
         self.status: RunStatus | None = None
         self.sync: SyncEngine | None = None
@@ -222,9 +245,8 @@ class Daemon:
         if resume_at is None:
             return 0
         if self.job.sync is not None:
-            self.sync = SyncEngine(
-                make_sink(self.job.sync, self.env), self.job.sync, state_dir=self.env.state_dir
-            )
+            sink = self._sink or make_sink(self.job.sync, self.env)
+            self.sync = SyncEngine(sink, self.job.sync, state_dir=self.env.state_dir)
             # What a killed agent promised and had not delivered is queued again; its leftover
             # snapshots are reused or removed.
             await self.sync.recover(self.run_dir)
@@ -267,10 +289,11 @@ class Daemon:
         was = previous.phase
         self.state = previous
         self.state.agent_pid = os.getpid()
-        self.state.phase = Phase.BOOTING
         self.state.history.append(
             {"at": self.clock(), "event": "agent restarted", "was": was.value}
         )
+        if was != Phase.BOOTING:
+            transition(self.state, Phase.BOOTING, note="agent restarted")  # any -> BOOTING
         if previous.trainer and previous.trainer.run_dir:
             self.run_dir = Path(previous.trainer.run_dir)
         if len(self.state.crashes) >= MAX_CRASHES:
@@ -475,7 +498,7 @@ class Daemon:
         launched_at = self.clock()
         if self.state.trainer is not None:
             launched_at = self.state.trainer.started_at
-            self.trainer = Trainer.attach(self.state.trainer)
+            self.trainer = self.launcher.attach(self.state.trainer)
             if self.trainer is None:
                 log.warning(
                     "trainer pid=%d from the previous agent is gone; syncing what its run wrote",
@@ -567,10 +590,12 @@ class Daemon:
         trainer. Returns a reason only when the launch failed."""
         launch = self.state.launch
         if launch is not None:
-            orphan = await asyncio.to_thread(find_launched, str(launch["id"]))
+            orphan = await asyncio.to_thread(
+                self.launcher.find_launched, str(launch["id"]), list(launch["argv"])
+            )
             if orphan is not None:
-                self.trainer = Trainer.adopt(orphan, list(launch["argv"]))
-                self.state.trainer = self.trainer.record
+                self.trainer = orphan
+                self.state.trainer = orphan.record
                 self._save()
                 return None
             log.warning(
@@ -578,11 +603,11 @@ class Daemon:
                 launch["id"],
             )
         try:
-            argv = build_argv(self.job)
+            argv = self.launcher.argv(self.job)
             launch_id = uuid.uuid4().hex
             self.state.launch = {"id": launch_id, "argv": argv, "at": self.clock()}
             self._save(required=True)
-            self.trainer = await Trainer.launch(
+            self.trainer = await self.launcher.launch(
                 argv,
                 log_path=self.store.path("trainer.log"),
                 result_path=self.store.path("trainer-result.json"),
@@ -738,7 +763,7 @@ class Daemon:
         else:
             transition(self.state, Phase.TEARDOWN, note="resumed")  # BOOTING -> TEARDOWN
         self._save()
-        provider = make_provider(self.job.teardown)
+        provider = self.provider_factory(self.job.teardown)
         record = self.state.teardown
         result: TeardownResult | None = None
         if resumed and record is not None and record.get("action"):
@@ -776,28 +801,16 @@ class Daemon:
         return 0
 
     def _teardown_action(self, reason: Reason) -> tuple[str, str]:
-        """destroy | stop | keep, and why. Every destroy passes the verified-sync gate; only a
-        failure before anything was trained (no trainer, no checkpoint on disk) has nothing
-        to save."""
-        td = self.job.teardown
-        if reason == Reason.PREFLIGHT_FAILED and not self._anything_to_save():
-            return td.on_preflight_failure, "preflight failed: nothing trained, nothing to save"
-        if reason == Reason.PREFLIGHT_FAILED:
-            action = td.on_preflight_failure
-            why = f"teardown.on_preflight_failure = {action} (a trainer ran or checkpoints exist)"
-        else:
-            action = td.on_success if reason == Reason.COMPLETED else td.on_failure
-            why = f"teardown.on_{'success' if reason == Reason.COMPLETED else 'failure'} = {action}"
         verified = bool(
             self.sync and self.sync.verify_result and self.sync.verify_result.sync_verified
         )
-        if action == "destroy" and td.require_verified_sync and not verified:
-            # Destroying the only copy of the checkpoints is the one mistake we cannot undo.
-            return "stop", (
-                "destroy downgraded to stop: checkpoints are not verified off the box "
-                "(teardown.require_verified_sync)"
-            )
-        return action, why
+        decision = teardown.decide(
+            reason,
+            self.job.teardown,
+            sync_verified=verified,
+            anything_to_save=self._anything_to_save(),
+        )
+        return decision.action, decision.why
 
     def _anything_to_save(self) -> bool:
         """A trainer was started (or about to be), or this job's runs hold a checkpoint."""
@@ -840,11 +853,6 @@ class Daemon:
             "phase": self.state.phase.value,
             "message": "stop requested: the trainer gets SIGINT, then the final sync runs",
         }
-
-    def request_stop(self) -> None:
-        """Ask the job to stop (what POST /stop does)."""
-        assert self.flags is not None
-        self.flags.stop_job.set()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -921,7 +929,13 @@ class Daemon:
             "total_epochs": (st.total_epochs if st and st.total_epochs else self.job.train.epochs),
             "eta_seconds": eta,
             "eta_at": now + eta if eta is not None else None,
-            "training_state": st.state if st else None,
+            # "running" in status.json is only true while the trainer lives (a kill leaves it).
+            "training_state": effective_state(
+                st, alive=bool(trainer and pid_alive(trainer.pid, trainer.create_time))
+            )
+            if st
+            else None,
+            "metrics": latest_metrics(self.run_dir) if self.run_dir else None,
             "best_epoch": st.best_epoch if st else None,
             "best_metric": st.best_metric if st else None,
             "run_dir": str(self.run_dir) if self.run_dir else None,
@@ -944,6 +958,12 @@ class Daemon:
             "agent_pid": self.state.agent_pid,
             "state_write_error": self.state_write_error,
         }
+
+
+def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The newest row of metrics.jsonl (the full per-epoch history LibreYOLO keeps)."""
+    rows = read_metrics(run_dir)
+    return rows[-1] if rows else None
 
 
 def _os_error(exc: OSError) -> str:

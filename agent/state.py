@@ -52,7 +52,17 @@ class Reason(str, Enum):
 
 #: Allowed source phases for each target phase (supervisor's ``_assertInState``).
 ALLOWED: dict[Phase, frozenset[Phase]] = {
-    Phase.BOOTING: frozenset(),
+    # A restarted agent boots again from wherever the killed one was (then resumes that phase).
+    Phase.BOOTING: frozenset(
+        {
+            Phase.PREFLIGHT,
+            Phase.STAGING,
+            Phase.TRAINING,
+            Phase.FINISHING,
+            Phase.TEARDOWN,
+            Phase.HELD,
+        }
+    ),
     Phase.PREFLIGHT: frozenset({Phase.BOOTING}),
     # BOOTING -> STAGING when preflight is disabled; a re-attach goes BOOTING -> TRAINING.
     Phase.STAGING: frozenset({Phase.BOOTING, Phase.PREFLIGHT}),

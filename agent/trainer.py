@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -232,7 +232,6 @@ class Trainer:
         self.exit_code: int | None = None
         self._exited = asyncio.Event()
         self._waiter: asyncio.Future[None] | None = None
-        self.stop_requested = False
 
     @classmethod
     async def launch(
@@ -378,7 +377,6 @@ class Trainer:
     async def stop(self, *, stop_grace_s: float, kill_grace_s: float) -> str:
         """SIGINT (LibreYOLO's clean stop), then SIGTERM, then SIGKILL to the whole tree, each
         after a grace period. Returns the last signal that was needed."""
-        self.stop_requested = True
         tree: dict[tuple[int, float], psutil.Process] = {}
 
         def refresh() -> None:
@@ -440,3 +438,60 @@ class Trainer:
                 p.kill()
         if alive:
             await asyncio.to_thread(psutil.wait_procs, alive, timeout=grace)
+
+
+class TrainerProcess(Protocol):
+    """What the daemon needs of a trainer: the real :class:`Trainer`, or a test's fake."""
+
+    record: TrainerRecord
+    is_child: bool
+    exit_code: int | None
+
+    @property
+    def pid(self) -> int: ...
+
+    def pids(self) -> set[int]: ...
+
+    async def wait(self) -> int | None: ...
+
+    async def stop(self, *, stop_grace_s: float, kill_grace_s: float) -> str: ...
+
+
+class Launcher(Protocol):
+    """How the daemon starts and finds trainers: its one seam to the operating system's
+    processes (supervisor's ``options``), so the training loop is testable with fakes."""
+
+    def argv(self, job: Job) -> list[str]:
+        """The command line that starts ``job``'s training (raises TrainerError)."""
+
+    async def launch(
+        self, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path, launch_id: str
+    ) -> TrainerProcess:
+        """Start a detached trainer marked with ``launch_id`` (raises TrainerError, OSError)."""
+
+    def attach(self, record: TrainerRecord) -> TrainerProcess | None:
+        """The trainer a previous agent recorded, if it still runs (pid and create time)."""
+
+    def find_launched(self, launch_id: str, argv: list[str]) -> TrainerProcess | None:
+        """The trainer a killed agent spawned but never recorded (blocking: a process scan)."""
+
+
+class ProcessLauncher:
+    """The real launcher: ``libreyolo train`` (or ``agent.train_entry``) as a detached process."""
+
+    def argv(self, job: Job) -> list[str]:
+        return build_argv(job)
+
+    async def launch(
+        self, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path, launch_id: str
+    ) -> TrainerProcess:
+        return await Trainer.launch(
+            argv, log_path=log_path, result_path=result_path, cwd=cwd, launch_id=launch_id
+        )
+
+    def attach(self, record: TrainerRecord) -> TrainerProcess | None:
+        return Trainer.attach(record)
+
+    def find_launched(self, launch_id: str, argv: list[str]) -> TrainerProcess | None:
+        proc = find_launched(launch_id)
+        return Trainer.adopt(proc, argv) if proc is not None else None

@@ -1,0 +1,51 @@
+"""The teardown decision: destroy, stop or keep the box, and why.
+
+The one rule that costs the most when wrong: **every destroy passes the verified-sync gate**.
+Destroying the only copy of the checkpoints is the one mistake that cannot be undone, so with
+``teardown.require_verified_sync`` a destroy whose sync is not verified becomes a stop (the disk
+survives for a few cents an hour). Only a failure before anything was trained - no trainer ever
+started, no checkpoint of this job on disk - has nothing to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import TeardownSection
+from .state import Reason
+
+
+@dataclass(frozen=True)
+class Decision:
+    #: destroy | stop | keep
+    action: str
+    #: One line for state.json, /status and the log.
+    why: str
+
+
+def decide(
+    reason: Reason,
+    cfg: TeardownSection,
+    *,
+    sync_verified: bool,
+    anything_to_save: bool,
+) -> Decision:
+    """What to do with the box once the run ended for ``reason``."""
+    if reason == Reason.PREFLIGHT_FAILED and not anything_to_save:
+        return Decision(
+            cfg.on_preflight_failure, "preflight failed: nothing trained, nothing to save"
+        )
+    if reason == Reason.PREFLIGHT_FAILED:
+        action = cfg.on_preflight_failure
+        why = f"teardown.on_preflight_failure = {action} (a trainer ran or checkpoints exist)"
+    elif reason == Reason.COMPLETED:
+        action, why = cfg.on_success, f"teardown.on_success = {cfg.on_success}"
+    else:
+        action, why = cfg.on_failure, f"teardown.on_failure = {cfg.on_failure}"
+    if action == "destroy" and cfg.require_verified_sync and not sync_verified:
+        return Decision(
+            "stop",
+            "destroy downgraded to stop: checkpoints are not verified off the box "
+            "(teardown.require_verified_sync)",
+        )
+    return Decision(action, why)
