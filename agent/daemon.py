@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -19,27 +18,32 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
-from . import teardown
+from . import restart, staging, teardown
 from .config import Env, Job, TeardownSection
 from .crashpoints import crashpoint
-from .limits import check_limits, deadlines
+from .limits import check_limits
 from .providers import Provider, TeardownResult, make_provider
 from .rundir import (
     RunStatus,
     RunWatcher,
-    effective_state,
     find_run_dir,
-    pid_alive,
-    read_metrics,
     read_status,
 )
 from .server import StatusServer
 from .sinks import Sink, make_sink
-from .state import Phase, Reason, RunState, StateStore, atomic_write_json, transition
+from .state import (
+    Phase,
+    Reason,
+    RunState,
+    StateDirLocked,
+    StateStore,
+    atomic_write_json,
+    transition,
+)
+from .status import StatusInputs, status_document
 from .sync import AGENT_FILES, SyncEngine
 from .trainer import (
     Launcher,
@@ -55,24 +59,6 @@ log = logging.getLogger("agent.daemon")
 
 #: How long a failed preflight/staging waits to get its report off the box before teardown.
 REPORT_SYNC_TIMEOUT_S = 120.0
-#: How often a retryable staging error (network, Hub 5xx) is retried before the job fails.
-STAGING_ATTEMPTS = 5
-#: A hook run in STAGING (the demo job makes its synthetic dataset there).
-StageHook = Callable[[], None]
-#: This many agent crashes in a row, with no progress between them, is a crash loop: the agent
-#: stops restarting into it and takes the (gated) teardown decision instead.
-MAX_CRASHES = 3
-#: Order of the phases along the spine, to tell progress from a restart into the same place.
-_SPINE = (
-    Phase.BOOTING,
-    Phase.PREFLIGHT,
-    Phase.STAGING,
-    Phase.TRAINING,
-    Phase.FINISHING,
-    Phase.TEARDOWN,
-    Phase.HELD,
-    Phase.DONE,
-)
 
 
 class AgentError(Exception):
@@ -92,7 +78,7 @@ class Daemon:
         job: Job,
         env: Env,
         *,
-        stage_hook: StageHook | None = None,
+        stage_hook: staging.StageHook | None = None,
         clock: Callable[[], float] = time.time,
         poll_interval_s: float = 5.0,
         on_ready: Callable[[Daemon], None] | None = None,
@@ -152,11 +138,17 @@ class Daemon:
                 f"cannot create the state directory {self.env.state_dir}: {exc.strerror or exc}; "
                 "set LIBREYOLO_AGENT_STATE_DIR to a writable folder"
             ) from exc
-        lock = self._lock_state_dir()
+        try:
+            lock = self.store.lock()
+        except StateDirLocked as exc:
+            raise AgentError(
+                f"another agent (pid {exc.holder}) is running on the state directory "
+                f"{self.env.state_dir}; stop it first, or use another LIBREYOLO_AGENT_STATE_DIR"
+            ) from None
         try:
             if self.fresh_start is not None:
                 self.fresh_start()
-            file_handler = _private_log_handler(self.store.path("agent.log"))
+            file_handler = self.store.log_handler()
         except BaseException:
             os.close(lock)
             self._remove_signal_handlers()
@@ -182,33 +174,8 @@ class Daemon:
 
     def _record_crash(self, exc: BaseException) -> None:
         """Count the crash in state.json, so the next agent can tell a crash loop."""
-        self.state.crashes.append(
-            {
-                "at": self.clock(),
-                "phase": self.state.phase.value,
-                "error": f"{type(exc).__name__}: {exc}"[:300],
-            }
-        )
+        self.state.crashes.append(restart.crash_record(self.state, exc, self.clock()))
         self._save()
-
-    def _lock_state_dir(self) -> int:
-        """One agent per state directory: two would both drive (and stop) the same trainer."""
-        path = self.store.path("agent.lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            finally:
-                os.close(fd)
-            raise AgentError(
-                f"another agent (pid {holder}) is running on the state directory "
-                f"{self.env.state_dir}; stop it first, or use another LIBREYOLO_AGENT_STATE_DIR"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -261,11 +228,8 @@ class Daemon:
             await self._shutdown()
 
     def _adopt(self, previous: RunState | None) -> Phase | None:
-        """Decide where to start from what a previous agent left. None: nothing to do.
-
-        A restart resumes the phase it was in: TRAINING re-attaches to the live trainer (or, if
-        it is gone, syncs everything its run wrote), FINISHING finishes, TEARDOWN reads back
-        before it sends anything again. Only a run that never reached TRAINING starts over."""
+        """Decide where to start from what a previous agent left (agent/restart.py); None:
+        nothing to do."""
         if previous is None:
             return Phase.PREFLIGHT
         if previous.job_name != self.job.job.name:
@@ -296,38 +260,14 @@ class Daemon:
             transition(self.state, Phase.BOOTING, note="agent restarted")  # any -> BOOTING
         if previous.trainer and previous.trainer.run_dir:
             self.run_dir = Path(previous.trainer.run_dir)
-        if len(self.state.crashes) >= MAX_CRASHES:
-            return Phase.FAILED  # a crash loop: the caller takes the teardown decision
-        if was == Phase.TRAINING or (
-            was in (Phase.BOOTING, Phase.PREFLIGHT, Phase.STAGING)
-            and (previous.trainer is not None or previous.launch is not None)
-        ):
-            return Phase.TRAINING
-        if was == Phase.FINISHING:
-            return Phase.FINISHING
-        if was in (Phase.TEARDOWN, Phase.HELD):
-            return Phase.TEARDOWN
-        return Phase.PREFLIGHT
-
-    def _progress(self, phase: Phase) -> None:
-        """Real progress (a later phase than any crash was in, or an epoch): forget crashes."""
-        if not self.state.crashes:
-            return
-        crashed_at = max(_SPINE.index(Phase(c["phase"])) for c in self.state.crashes)
-        if phase not in _SPINE or _SPINE.index(phase) > crashed_at:
-            self.state.crashes.clear()
+        return restart.resume_phase(was, previous)
 
     # ------------------------------------------------------------------ phases
 
     async def _phases(self, start: Phase) -> int:
         assert self.flags is not None
         if start == Phase.FAILED:
-            crashes = self.state.crashes
-            self.state.cause = (
-                f"the agent crashed {len(crashes)} times in a row "
-                f"(last in {crashes[-1]['phase']}: {crashes[-1]['error']}); "
-                "not restarting into it again"
-            )
+            self.state.cause = restart.crash_loop_cause(self.state)
             log.error("crash loop: %s", self.state.cause)
             return await self._teardown_phase(Reason.AGENT_FAILED)
         if start == Phase.TEARDOWN:
@@ -356,7 +296,7 @@ class Daemon:
             start = Phase.TRAINING
         if start == Phase.TRAINING:
             transition(self.state, Phase.TRAINING)  # STAGING|BOOTING -> TRAINING
-            self._progress(Phase.TRAINING)
+            restart.note_progress(self.state, Phase.TRAINING)
             self._save()
             reason = await self._training()
             if reason is None:
@@ -365,7 +305,7 @@ class Daemon:
             start = Phase.FINISHING
         if start == Phase.FINISHING:
             transition(self.state, Phase.FINISHING)  # TRAINING|BOOTING -> FINISHING
-            self._progress(Phase.FINISHING)
+            restart.note_progress(self.state, Phase.FINISHING)
             self._save()
             if not await self._finishing():
                 return 0  # state.json still says FINISHING: the next agent carries on
@@ -394,101 +334,19 @@ class Daemon:
         return False
 
     async def _staging(self) -> bool:
-        try:
-            if self.job.dataset is not None:
-                from .dataset import StagingError, stage_dataset
-
-                data = self.job.train.get("data")
-                attempt = 0
-                while True:
-                    attempt += 1
-                    try:
-                        # The data YAML check (and doctor) below covers staged and local
-                        # datasets alike: not twice here.
-                        result = await asyncio.to_thread(
-                            stage_dataset,
-                            self.job.dataset,
-                            self.env,
-                            data_yaml=str(data) if data is not None else None,
-                            check=False,
-                        )
-                        break
-                    except StagingError as exc:
-                        # Staging is idempotent: a network hiccup is worth a few patient retries.
-                        if exc.retryable and attempt < STAGING_ATTEMPTS:
-                            delay = min(60.0, 5.0 * 2 ** (attempt - 1))
-                            log.warning(
-                                "staging attempt %d failed: %s; retry in %.0fs", attempt, exc, delay
-                            )
-                            with contextlib.suppress(TimeoutError):
-                                await asyncio.wait_for(self._shutdown_wait(), delay)
-                            if self.flags is not None and self.flags.shutdown.is_set():
-                                return True
-                            continue
-                        self.state.cause = f"staging failed: {exc}"
-                        self.staging_report = {
-                            "ok": False,
-                            "error": str(exc),
-                            "findings": exc.findings,
-                        }
-                        log.error("staging failed: %s", exc)
-                        return False
-                self.staging_report = {"ok": True, **_jsonable(result)}
-                for warning in result.warnings:
-                    log.warning("dataset: %s", warning)
-            if self.stage_hook is not None:
-                await asyncio.to_thread(self.stage_hook)
-                self.staging_report = self.staging_report or {"ok": True}
-            assert self.flags is not None
-            if self.flags.shutdown.is_set() or self.flags.stop_job.is_set():
-                return True  # no trainer will start: nothing to check
-            return await self._check_data()
-        finally:
-            if self.staging_report is not None:
-                self._write_report("staging.json", self.staging_report)
-
-    async def _check_data(self) -> bool:
-        """Every job's data YAML, staged or local, is checked before a GPU is paid for: it must
-        read, stay inside a staged dataset, and (``dataset.doctor``, on by default) pass
-        ``libreyolo doctor``. A broken dataset is found here, not by the GPU at epoch 0."""
-        from .dataset import StagingError, check_data_yaml
-
-        data = self.job.train.get("data")
-        if data is None:
-            return True
-        report = self.staging_report or {"ok": True}
-        try:
-            check = await asyncio.to_thread(
-                check_data_yaml,
-                Path(str(data)),
-                doctor=self.job.data_check.doctor,
-                allow_outside_paths=self.job.data_check.allow_outside_paths,
-                staged_root=self.job.dataset.dest if self.job.dataset is not None else None,
-            )
-        except StagingError as exc:
-            self.state.cause = f"dataset check failed: {exc}"
-            self.staging_report = {**report, "ok": False, "error": str(exc)}
-            self.staging_report["findings"] = exc.findings
-            log.error("dataset check failed: %s", exc)
-            return False
-        for warning in check.warnings:
-            log.warning("dataset: %s", warning)
-        log.info("dataset %s checked (doctor %s)", check.data_yaml, check.doctor_status)
-        self.staging_report = {
-            **report,
-            "data_check": {
-                "data_yaml": str(check.data_yaml),
-                "root": str(check.root),
-                "doctor_status": check.doctor_status,
-                "doctor": check.doctor,
-                "warnings": check.warnings,
-            },
-        }
-        return True
-
-    async def _shutdown_wait(self) -> None:
         assert self.flags is not None
-        await self.flags.shutdown.wait()
+        outcome = await staging.stage(
+            self.job,
+            self.env,
+            hook=self.stage_hook,
+            stop=(self.flags.shutdown, self.flags.stop_job),
+        )
+        if outcome.cause is not None:
+            self.state.cause = outcome.cause
+        if outcome.report is not None:
+            self.staging_report = outcome.report
+            self._write_report("staging.json", outcome.report)
+        return outcome.ok
 
     async def _training(self) -> Reason | None:
         """Launch (or re-attach to) the trainer, follow it, sync milestones, enforce limits.
@@ -808,22 +666,9 @@ class Daemon:
             reason,
             self.job.teardown,
             sync_verified=verified,
-            anything_to_save=self._anything_to_save(),
+            anything_to_save=teardown.anything_to_save(self.state, self.run_dir, self.job.job),
         )
         return decision.action, decision.why
-
-    def _anything_to_save(self) -> bool:
-        """A trainer was started (or about to be), or this job's runs hold a checkpoint."""
-        if self.state.trainer is not None or self.state.launch is not None:
-            return True
-        if self.run_dir is not None and any((self.run_dir / "weights").glob("*.pt")):
-            return True
-        try:
-            return any(
-                self.job.job.runs_dir.glob(f"{glob_escape(self.job.job.name)}*/weights/*.pt")
-            )
-        except OSError:
-            return True  # cannot tell: assume there is
 
     # ------------------------------------------------------------------ plumbing
 
@@ -916,79 +761,27 @@ class Daemon:
     # ------------------------------------------------------------------ status
 
     def status_dict(self) -> dict[str, Any]:
-        st = self.status
-        trainer = self.state.trainer
-        now = self.clock()
-        eta = st.eta_seconds if st and st.state == "running" else None
-        return {
-            "job": self.job.job.name,
-            "phase": self.state.phase.value,
-            "reason": self.state.reason.value if self.state.reason else None,
-            "cause": self.state.cause,
-            "epoch": st.completed_epochs if st else None,
-            "total_epochs": (st.total_epochs if st and st.total_epochs else self.job.train.epochs),
-            "eta_seconds": eta,
-            "eta_at": now + eta if eta is not None else None,
-            # "running" in status.json is only true while the trainer lives (a kill leaves it).
-            "training_state": effective_state(
-                st, alive=bool(trainer and pid_alive(trainer.pid, trainer.create_time))
+        return status_document(
+            StatusInputs(
+                job=self.job,
+                state=self.state,
+                status=self.status,
+                run_dir=self.run_dir,
+                sync=self.sync.status() if self.sync else None,
+                last_synced_epoch=self.sync.last_synced_epoch if self.sync else None,
+                preflight=self.preflight_report,
+                staging=self.staging_report,
+                state_write_error=self.state_write_error,
+                now=self.clock(),
             )
-            if st
-            else None,
-            "metrics": latest_metrics(self.run_dir) if self.run_dir else None,
-            "best_epoch": st.best_epoch if st else None,
-            "best_metric": st.best_metric if st else None,
-            "run_dir": str(self.run_dir) if self.run_dir else None,
-            "trainer": {
-                "pid": trainer.pid,
-                "alive": pid_alive(trainer.pid, trainer.create_time),
-                "started_at": trainer.started_at,
-            }
-            if trainer
-            else None,
-            "outcome": self.state.outcome,
-            "last_synced_epoch": self.sync.last_synced_epoch if self.sync else None,
-            "sync": self.sync.status() if self.sync else None,
-            "preflight": self.preflight_report,
-            "staging": self.staging_report,
-            "limits": deadlines(self.job.limits, job_started_at=self.state.started_at),
-            "teardown": self.state.teardown,
-            "started_at": self.state.started_at,
-            "updated_at": self.state.updated_at,
-            "agent_pid": self.state.agent_pid,
-            "state_write_error": self.state_write_error,
-        }
-
-
-def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """The newest row of metrics.jsonl (the full per-epoch history LibreYOLO keeps)."""
-    rows = read_metrics(run_dir)
-    return rows[-1] if rows else None
+        )
 
 
 def _os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
 
 
-def _private_log_handler(path: Path) -> logging.FileHandler:
-    """agent.log is 0600: it names paths and errors of the user's run."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.close(fd)
-    with contextlib.suppress(PermissionError):
-        os.chmod(path, 0o600)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    return handler
-
-
 def _run_dir_from_result(result: dict[str, Any] | None) -> Path | None:
     if result and isinstance(result.get("save_dir"), str):
         return Path(result["save_dir"])
     return None
-
-
-def _jsonable(obj: Any) -> dict[str, Any]:
-    from dataclasses import asdict, is_dataclass
-
-    data: dict[str, Any] = asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else {}
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in data.items()}

@@ -8,6 +8,7 @@ change, so a crash or a power cut leaves either the old or the new version, neve
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -202,6 +203,14 @@ def atomic_write_json(path: Path, data: Any, *, mode: int = 0o600) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode)
 
 
+class StateDirLocked(Exception):
+    """Another agent holds this state directory (its pid in ``holder``)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
 class StateStore:
     """The state directory: ``state.json``, the sync ledger, reports, ``agent.log``, ``token``."""
 
@@ -221,6 +230,33 @@ class StateStore:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         with contextlib.suppress(PermissionError):
             os.chmod(self.root, 0o700)
+
+    def lock(self) -> int:
+        """One agent per state directory (two would both drive, and stop, the same trainer):
+        an exclusive flock held as long as the returned descriptor is open. Raises
+        :class:`StateDirLocked` naming the holder's pid."""
+        fd = os.open(self.path("agent.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise StateDirLocked(holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def log_handler(self) -> logging.FileHandler:
+        """agent.log, appended, mode 0600: it names paths and errors of the user's run."""
+        path = self.path("agent.log")
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, 0o600)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        return handler
 
     def load(self) -> RunState | None:
         try:

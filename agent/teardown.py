@@ -10,9 +10,11 @@ started, no checkpoint of this job on disk - has nothing to save.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from glob import escape as glob_escape
+from pathlib import Path
 
-from .config import TeardownSection
-from .state import Reason
+from .config import JobSection, TeardownSection
+from .state import Reason, RunState
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,15 @@ def decide(
             "(teardown.require_verified_sync)",
         )
     return Decision(action, why)
+
+
+def anything_to_save(state: RunState, run_dir: Path | None, job: JobSection) -> bool:
+    """A trainer was started (or about to be), or this job's runs hold a checkpoint."""
+    if state.trainer is not None or state.launch is not None:
+        return True
+    if run_dir is not None and any((run_dir / "weights").glob("*.pt")):
+        return True
+    try:
+        return any(job.runs_dir.glob(f"{glob_escape(job.name)}*/weights/*.pt"))
+    except OSError:
+        return True  # cannot tell: assume there is

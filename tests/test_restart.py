@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from agent.config import Env, PreflightSection
-from agent.daemon import MAX_CRASHES, Daemon
+from agent.daemon import Daemon
+from agent.restart import MAX_CRASHES
 from agent.state import Phase, Reason, RunState, StateStore
 from tests.support import wait_for
 from tests.test_daemon import (

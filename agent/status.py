@@ -1,0 +1,71 @@
+"""The document ``GET /status`` serves (and ``libreyolo-agent status`` prints): one function of
+what the daemon knows, so the server imports nothing of the agent and the shape is in one place.
+No secret is ever part of it: the state holds none, the sync status names paths and errors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Job
+from .limits import deadlines
+from .rundir import RunStatus, effective_state, pid_alive, read_metrics
+from .state import RunState
+
+
+@dataclass(frozen=True)
+class StatusInputs:
+    job: Job
+    state: RunState
+    status: RunStatus | None
+    run_dir: Path | None
+    sync: dict[str, Any] | None
+    last_synced_epoch: int | None
+    preflight: dict[str, Any] | None
+    staging: dict[str, Any] | None
+    state_write_error: str | None
+    now: float
+
+
+def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The newest row of metrics.jsonl (the full per-epoch history LibreYOLO keeps)."""
+    rows = read_metrics(run_dir)
+    return rows[-1] if rows else None
+
+
+def status_document(i: StatusInputs) -> dict[str, Any]:
+    st, state, trainer = i.status, i.state, i.state.trainer
+    alive = bool(trainer and pid_alive(trainer.pid, trainer.create_time))
+    eta = st.eta_seconds if st and st.state == "running" else None
+    return {
+        "job": i.job.job.name,
+        "phase": state.phase.value,
+        "reason": state.reason.value if state.reason else None,
+        "cause": state.cause,
+        "epoch": st.completed_epochs if st else None,
+        "total_epochs": (st.total_epochs if st and st.total_epochs else i.job.train.epochs),
+        "eta_seconds": eta,
+        "eta_at": i.now + eta if eta is not None else None,
+        # "running" in status.json is only true while the trainer lives (a kill leaves it).
+        "training_state": effective_state(st, alive=alive) if st else None,
+        "metrics": latest_metrics(i.run_dir) if i.run_dir else None,
+        "best_epoch": st.best_epoch if st else None,
+        "best_metric": st.best_metric if st else None,
+        "run_dir": str(i.run_dir) if i.run_dir else None,
+        "trainer": {"pid": trainer.pid, "alive": alive, "started_at": trainer.started_at}
+        if trainer
+        else None,
+        "outcome": state.outcome,
+        "last_synced_epoch": i.last_synced_epoch,
+        "sync": i.sync,
+        "preflight": i.preflight,
+        "staging": i.staging,
+        "limits": deadlines(i.job.limits, job_started_at=state.started_at),
+        "teardown": state.teardown,
+        "started_at": state.started_at,
+        "updated_at": state.updated_at,
+        "agent_pid": state.agent_pid,
+        "state_write_error": i.state_write_error,
+    }
