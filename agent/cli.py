@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, logutil
 from .config import ConfigError, Env, Job, load_job
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
@@ -32,7 +32,11 @@ def _setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
     root = logging.getLogger("agent")
+    for old in root.handlers:
+        logutil.uninstall(old)
     root.handlers[:] = [handler]
+    # Repeated warnings (an outage, a flood of accept errors) are rate-limited, not repeated.
+    logutil.install(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
 

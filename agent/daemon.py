@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import restart, staging, teardown
+from . import logutil, restart, staging, teardown
 from .config import Env, Job, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits
@@ -155,6 +155,9 @@ class Daemon:
             raise
         agent_log = logging.getLogger("agent")
         agent_log.addHandler(file_handler)
+        logutil.install(file_handler)
+        # 1,024 descriptors (a common default) ran out under a flood of idle connections.
+        logutil.raise_fd_limit()
         # agent.log is the record a person reads after the fact: always at INFO.
         if agent_log.getEffectiveLevel() > logging.INFO:
             agent_log.setLevel(logging.INFO)
@@ -167,6 +170,7 @@ class Daemon:
             self._record_crash(exc)
             raise
         finally:
+            logutil.uninstall(file_handler)
             agent_log.removeHandler(file_handler)
             file_handler.close()
             os.close(lock)

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agent.rundir import RunStatus
 from agent.state import Phase, Reason, StateStore
 from tests.test_daemon import dataset, requires_libreyolo
 from tests.test_restart import agent_env, job_toml, run_dirs, trainers_of
@@ -43,6 +44,25 @@ def start_agent(job: Path, state_dir: Path, log: Path, **extra: str) -> subproce
         )
 
 
+def stop_job_of(proc: subprocess.Popen[bytes], state_dir: Path) -> None:
+    """Once ``proc`` supervises the trainer, ask it to stop the job (``libreyolo-agent stop``)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = StateStore(state_dir).load()
+        if st and st.agent_pid == proc.pid and st.phase == Phase.TRAINING and st.server:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the agent never reached TRAINING")
+    out = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "stop", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+
+
 def kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
@@ -56,8 +76,9 @@ def test_agent_killed_at_random_moments_and_named_points_loses_nothing(
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1 << 30))
     print(f"chaos seed {seed}")
     rng = random.Random(seed)
-    # Long enough that the random kills land while it trains (about 1 s an epoch at 160 px).
-    epochs = 30
+    # Far longer than the kills take (about 1 s an epoch at 160 px): the run is ended by a
+    # stop request once every kill has landed, so no agent can finish it early.
+    epochs = 200
     job = job_toml(
         tmp_path, dataset, epochs=epochs, extra="every_epochs = 1", imgsz=160, save_period=3
     )
@@ -93,12 +114,14 @@ def test_agent_killed_at_random_moments_and_named_points_loses_nothing(
         st = StateStore(state_dir).load() if (state_dir / "state.json").exists() else None
         phases_killed.append(st.phase.value if st else "none")
 
-    # 3. The named points after training: mid-upload, FINISHING, TEARDOWN. An agent that does
-    # not reach its point ends by itself, which is fine: the next point is tried all the same.
+    # 3. The named points: mid-upload (the next milestone), FINISHING (after a stop request),
+    # TEARDOWN (the next agent, finishing it).
     named: dict[str, int | None] = {}
     for point in NAMED_POINTS[1:]:
         proc = start_agent(job, state_dir, log, LIBREYOLO_AGENT_CRASHPOINT=point)
         try:
+            if point == "finishing":
+                stop_job_of(proc, state_dir)
             named[point] = proc.wait(timeout=170)
         finally:
             kill(proc)
@@ -123,9 +146,10 @@ def test_agent_killed_at_random_moments_and_named_points_loses_nothing(
     state = StateStore(state_dir).load()
     assert state is not None and state.phase == Phase.DONE
     status = json.loads((runs / "run1" / "status.json").read_text())
-    assert state.reason == Reason.COMPLETED, (state.reason, state.cause)
-    done = int(status["completed_epochs"])
-    assert done == epochs
+    assert state.reason == Reason.STOPPED_BY_USER, (state.reason, state.cause)
+    assert state.outcome is not None and state.outcome["kind"] == "interrupted"
+    done = RunStatus.from_dict(status).completed_epochs  # a SIGINT write has current_epoch only
+    assert done >= 3
     synced = {p.name for p in (tmp_path / "synced" / "weights").glob("*.pt")}
     assert {f"epoch_{n}.pt" for n in range(3, done + 1, 3)} <= synced, sorted(synced)
     on_disk = {p.name for p in (runs / "run1" / "weights").glob("*.pt")}

@@ -1,9 +1,16 @@
 """A Hugging Face Hub model repo (``hf://org/repo``), through the real ``huggingface_hub`` client.
 
-One call is one attempt: ``sync.py`` owns timeouts, retries and backoff. Two things the client
-does on its own are worth knowing (``huggingface_hub`` 2.4.0):
+Works with ``huggingface_hub`` >= 1.3.2 (:data:`MIN_HUB_VERSION`; before it, every commit to an
+endpoint other than the import-time ``HF_ENDPOINT`` fails after the upload, in ``CommitInfo``).
+The 1.x releases build their client on ``httpx``, 2.x on ``httpx2`` (the same API under another
+name): :data:`hub_http` is whichever the installed ``huggingface_hub`` uses, chosen by its
+version, because its network errors are what a failed call raises. An older ``huggingface_hub``
+is refused when this module is imported (:func:`check_hub_version`), with the fix.
 
-- Its shared ``httpx2`` client has no timeout at all, so a hung connection would hold an upload
+One call is one attempt: ``sync.py`` owns timeouts, retries and backoff. Two things the client
+does on its own are worth knowing (``huggingface_hub`` 2.4.0, the same in 1.33):
+
+- Its shared HTTP client has no timeout at all, so a hung connection would hold an upload
   thread forever. :func:`install_http_timeouts` (called by :class:`HubSink`) gives it one,
   process-wide, through the public ``set_client_factory``.
 - The preupload call (the first request of every upload) goes through ``http_backoff``, which
@@ -28,32 +35,95 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import logging
+import re
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx2
-from huggingface_hub import (
-    HfApi,
-    RepoFile,
-    get_session,
-    hf_hub_url,
-    hf_raise_for_status,
-    set_client_factory,
-)
-from huggingface_hub.errors import (
-    HfHubHTTPError,
-    HfUriError,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
+import huggingface_hub
 
 from .. import __version__
 from ..config import Env
 from . import RemoteFile, SinkError
 
 log = logging.getLogger(__name__)
+
+#: The oldest ``huggingface_hub`` this module works with: ``tests/test_sink_hf.py`` passes on it
+#: (1.3.2 builds a commit's ``RepoUrl`` with the client's endpoint; 1.3.1 raises ValueError).
+MIN_HUB_VERSION = "1.3.2"
+
+
+class HubVersionError(SinkError):
+    """The installed ``huggingface_hub`` is older than :data:`MIN_HUB_VERSION`."""
+
+    def __init__(self, installed: str) -> None:
+        super().__init__(
+            f"huggingface_hub {installed} is too old for hf:// sync: libreyolo-agent needs "
+            f"huggingface_hub>={MIN_HUB_VERSION}; "
+            f"fix: pip install 'huggingface_hub>={MIN_HUB_VERSION}'",
+            retryable=False,
+        )
+        self.installed = installed
+
+
+def _release(version: str) -> tuple[int, int, int] | None:
+    """``(major, minor, micro)`` of a version string ("1.33.0", "2.0.0rc1"); None if unreadable."""
+    m = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version.strip())
+    if m is None:
+        return None
+    major, minor, micro = (int(g or 0) for g in m.groups())
+    return major, minor, micro
+
+
+def hub_version_supported(version: str) -> bool:
+    """Whether ``huggingface_hub`` ``version`` is at least :data:`MIN_HUB_VERSION`.
+
+    An unreadable version (a local build) is given the benefit of the doubt.
+    """
+    have, need = _release(version), _release(MIN_HUB_VERSION)
+    return have is None or need is None or have >= need
+
+
+def check_hub_version(installed: str | None = None) -> None:
+    """Raise :class:`HubVersionError` unless ``installed`` (default: the imported
+    ``huggingface_hub``) is recent enough. Importing this module already does it."""
+    version = huggingface_hub.__version__ if installed is None else installed
+    if not hub_version_supported(version):
+        raise HubVersionError(version)
+
+
+def http_module_name(hub_version: str) -> str:
+    """The HTTP client ``huggingface_hub`` ``hub_version`` builds on: ``httpx`` before 2.0."""
+    release = _release(hub_version)
+    return "httpx" if release is not None and release[0] < 2 else "httpx2"
+
+
+# Before the imports below: an old huggingface_hub lacks some of them, and must be refused with
+# the fix rather than an ImportError.
+check_hub_version()
+
+from huggingface_hub import (  # noqa: E402
+    HfApi,
+    get_session,
+    hf_hub_url,
+    hf_raise_for_status,
+    set_client_factory,
+)
+from huggingface_hub.errors import (  # noqa: E402
+    HfHubHTTPError,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile  # noqa: E402
+
+if TYPE_CHECKING:
+    import httpx2 as hub_http
+else:
+    #: The HTTP client module of the installed huggingface_hub (``httpx`` or ``httpx2``).
+    hub_http = importlib.import_module(http_module_name(huggingface_hub.__version__))
 
 #: Per-request limits of the Hub client: connect, then the longest wait for the next bytes.
 HTTP_CONNECT_TIMEOUT_S = 15.0
@@ -63,7 +133,7 @@ _RETRYABLE_STATUS = frozenset({408, 409, 412, 423, 425, 429})
 
 #: What a failed Hub call raises: HTTP errors, network errors, local I/O, bad answers, and
 #: RuntimeError, which wraps LFS/Xet transfer errors (the cause is classified, see _error).
-_FAILURES = (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError, RuntimeError)
+_FAILURES = (HfHubHTTPError, hub_http.HTTPError, OSError, ValueError, RuntimeError)
 
 _timeouts_lock = threading.Lock()
 _timeouts_installed = False
@@ -84,13 +154,13 @@ def install_http_timeouts() -> None:
         _timeouts_installed = True
 
 
-def _client_with_timeouts() -> httpx2.Client:
-    timeout = httpx2.Timeout(HTTP_TIMEOUT_S, connect=HTTP_CONNECT_TIMEOUT_S)
+def _client_with_timeouts() -> hub_http.Client:
+    timeout = hub_http.Timeout(HTTP_TIMEOUT_S, connect=HTTP_CONNECT_TIMEOUT_S)
     try:
         # The library's own factory keeps its request hook (offline mode, request ids).
         from huggingface_hub.utils._http import default_client_factory
     except ImportError:  # pragma: no cover - a later huggingface_hub moved it
-        return httpx2.Client(follow_redirects=True, timeout=timeout)
+        return hub_http.Client(follow_redirects=True, timeout=timeout)
     client = default_client_factory()
     client.timeout = timeout
     return client
@@ -119,14 +189,13 @@ class HubSink:
 
     def prepare(self) -> None:
         try:
-            # huggingface_hub 2.4.0: when create_repo(exist_ok=True) gets 401/402/403 it checks
-            # that the repo exists (repo_info), then builds its RepoUrl without the endpoint,
-            # which raises HfUriError for any endpoint but the import-time HF_ENDPOINT. The repo
-            # exists then; whether the token may write shows at the first upload.
-            with contextlib.suppress(HfUriError):
+            try:
                 self._api.create_repo(
                     self.repo_id, repo_type="model", private=self.private, exist_ok=True
                 )
+            except ValueError as exc:
+                if not _repo_exists_after_refused_create(exc):
+                    raise
             if self.revision != "main":
                 self._api.create_branch(
                     self.repo_id, branch=self.revision, repo_type="model", exist_ok=True
@@ -238,7 +307,7 @@ class HubSink:
                 msg, retryable = f"{detail}: a transient error on the Hub", True
             else:
                 msg, retryable = f"{detail}: the Hub rejected the request", False
-        elif isinstance(exc, httpx2.HTTPError):
+        elif isinstance(exc, hub_http.HTTPError):
             msg, retryable = (
                 f"cannot reach {self._endpoint} ({type(exc).__name__}: {_one_line(str(exc))})",
                 True,
@@ -255,11 +324,28 @@ class HubSink:
         return text.replace(self._token, "<HF_TOKEN>") if self._token else text
 
 
+def _repo_exists_after_refused_create(exc: ValueError) -> bool:
+    """Whether ``create_repo(exist_ok=True)`` failed only in building the URL of a repo it found.
+
+    When the Hub refuses the create (401/402/403; 403 only before 2.0), the client checks that
+    the repo exists (``repo_info``), then builds its ``RepoUrl`` without the endpoint, which
+    raises ``ValueError`` (``HfUriError`` since 2.0) for any endpoint but the import-time
+    ``HF_ENDPOINT``. The repo exists then; whether the token may write shows at the first upload.
+    Recognised by the refusal it was raised while handling, not by its message.
+    """
+    seen: BaseException | None = exc.__context__
+    while seen is not None:
+        if isinstance(seen, HfHubHTTPError):
+            return seen.response.status_code in (401, 402, 403)
+        seen = seen.__context__
+    return False
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The HTTP or network error behind a wrapper (LFS/Xet uploads raise RuntimeError from it)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, HfHubHTTPError | httpx2.HTTPError):
+        if isinstance(seen, HfHubHTTPError | hub_http.HTTPError):
             return seen
         seen = seen.__cause__
     return exc

@@ -1,0 +1,281 @@
+"""Rate-limited logging and the descriptor limit, with real records, sockets and processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import logutil
+from agent.logutil import RateLimitFilter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def logger() -> Iterator[logging.Logger]:
+    lg = logging.getLogger("agent.test_logutil")
+    lg.propagate = False
+    lg.setLevel(logging.DEBUG)
+    yield lg
+    lg.handlers.clear()
+    lg.propagate = True
+
+
+def stream_handler(flt: logging.Filter) -> tuple[logging.Handler, io.StringIO]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(flt)
+    return handler, out
+
+
+def test_a_repeated_warning_passes_once_per_interval_then_says_how_many_were_held(
+    logger: logging.Logger,
+) -> None:
+    clock = Clock()
+    handler, out = stream_handler(RateLimitFilter(60.0, clock=clock))
+    logger.addHandler(handler)
+    for i in range(1000):
+        clock.now = 1000.0 + i * 0.05  # 50 s of one message, 20 a second
+        logger.warning("upload of %s failed: %s", "last.pt", "EMFILE")
+    assert out.getvalue().splitlines() == [
+        "WARNING agent.test_logutil: upload of last.pt failed: EMFILE"
+    ]
+    clock.now = 1061.0
+    logger.warning("upload of %s failed: %s", "last.pt", "EMFILE")
+    assert out.getvalue().splitlines()[1] == (
+        "WARNING agent.test_logutil: upload of last.pt failed: EMFILE "
+        "(999 similar suppressed in the last 61s)"
+    )
+    clock.now = 1062.0  # a new window started at 1061
+    logger.warning("upload of %s failed: %s", "last.pt", "EMFILE")
+    assert len(out.getvalue().splitlines()) == 2
+
+
+def test_distinct_messages_levels_and_exception_types_are_not_merged(
+    logger: logging.Logger,
+) -> None:
+    handler, out = stream_handler(RateLimitFilter(60.0, clock=Clock()))
+    logger.addHandler(handler)
+    for warning in ("labels missing", "3 images unreadable", "labels missing"):
+        logger.warning("dataset: %s", warning)  # one template, different messages
+    logger.error("dataset: %s", "labels missing")  # another level
+    for exc in (ValueError("x"), OSError(24, "Too many open files"), ValueError("y")):
+        try:
+            raise exc
+        except Exception:
+            logger.exception("snapshot failed")
+    for _ in range(3):
+        logger.info("epoch 3 done")  # below WARNING: never held back
+    lines = [line for line in out.getvalue().splitlines() if not line.startswith((" ", "Trace"))]
+    assert [line for line in lines if line.startswith(("WARNING", "ERROR", "INFO"))] == [
+        "WARNING agent.test_logutil: dataset: labels missing",
+        "WARNING agent.test_logutil: dataset: 3 images unreadable",
+        "ERROR agent.test_logutil: dataset: labels missing",
+        "ERROR agent.test_logutil: snapshot failed",
+        "ERROR agent.test_logutil: snapshot failed",
+        "INFO agent.test_logutil: epoch 3 done",
+        "INFO agent.test_logutil: epoch 3 done",
+        "INFO agent.test_logutil: epoch 3 done",
+    ]
+
+
+def test_one_filter_on_two_handlers_decides_each_record_once(logger: logging.Logger) -> None:
+    clock = Clock()
+    flt = RateLimitFilter(60.0, clock=clock)
+    (first, out1), (second, out2) = stream_handler(flt), stream_handler(flt)
+    logger.addHandler(first)
+    logger.addHandler(second)
+    for _ in range(5):
+        logger.warning("hub unreachable")
+    clock.now += 61
+    logger.warning("hub unreachable")
+    for out in (out1, out2):
+        assert out.getvalue().splitlines() == [
+            "WARNING agent.test_logutil: hub unreachable",
+            "WARNING agent.test_logutil: hub unreachable (4 similar suppressed in the last 61s)",
+        ]
+
+
+def test_install_rate_limits_asyncio_accept_errors_on_the_handler() -> None:
+    """asyncio's own 'out of system resource' record, through the loop's real exception
+    handler: without install() each went to stderr (logging.lastResort), unfiltered."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logutil.rate_limit.reset()
+    logutil.install(handler)
+    logutil.install(handler)  # idempotent
+    try:
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            with socket.socket() as sock:
+                for _ in range(500):
+                    try:
+                        raise OSError(24, "Too many open files")
+                    except OSError as exc:
+                        loop.call_exception_handler(
+                            {
+                                "message": "socket.accept() out of system resource",
+                                "exception": exc,
+                                "socket": sock,
+                            }
+                        )
+
+        asyncio.run(main())
+    finally:
+        logutil.uninstall(handler)
+    text = out.getvalue()
+    assert text.count("socket.accept() out of system resource") == 1
+    assert text.count("Traceback") == 1
+    assert handler not in logging.getLogger("asyncio").handlers
+    assert logutil.rate_limit not in handler.filters
+
+
+# ---- for real: a process out of descriptors ----------------------------------------------------
+
+EMFILE_CHILD = textwrap.dedent(
+    """
+    import asyncio, logging, os, resource, sys
+    from agent import logutil
+    from agent.server import StatusServer
+
+    handler = logging.FileHandler(sys.argv[1])
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    agent_log = logging.getLogger("agent")
+    agent_log.addHandler(handler)
+    agent_log.setLevel(logging.INFO)
+    logutil.install(handler)
+
+    async def main():
+        server = StatusServer(
+            "127.0.0.1", 0, token="t", status=lambda: {"ok": 1}, actions={},
+            header_timeout_s=60.0, keepalive_timeout_s=60.0,
+        )
+        port = await server.start()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # Room for a handful of connections only: far below the cap of 64.
+        limit = len(os.listdir("/proc/self/fd")) + 6
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        print(port, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _healthz(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        s.settimeout(2)
+        return s.recv(4096)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_out_of_descriptors_the_log_stays_small_and_the_server_comes_back(
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "agent.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EMFILE_CHILD, str(log_path)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    flood: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        for _ in range(150):  # more than the child's descriptors plus its listen backlog
+            try:
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
+            except OSError:
+                break  # the backlog is full: enough
+        time.sleep(3.5)  # asyncio retries accept() every second, 100 attempts each time
+        text = log_path.read_text()
+        assert text.count("socket.accept() out of system resource") == 1, text[-3000:]
+        assert len(text.splitlines()) < 60, text[-3000:]
+        for s in flood:
+            s.close()
+        flood.clear()
+        deadline = time.monotonic() + 10
+        answer = b""
+        while time.monotonic() < deadline:
+            try:
+                answer = _healthz(port)
+            except OSError:
+                answer = b""
+            if answer.startswith(b"HTTP/1.0 200"):
+                break
+            time.sleep(0.2)
+        assert answer.startswith(b"HTTP/1.0 200"), answer
+    finally:
+        for s in flood:
+            s.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err[-3000:]  # nothing escaped to stderr (lastResort)
+
+
+RAISE_CHILD = textwrap.dedent(
+    """
+    import logging, resource, sys
+    from agent import logutil
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
+    first = logutil.raise_fd_limit(cap=int(sys.argv[2]))
+    again = logutil.raise_fd_limit(cap=int(sys.argv[2]))
+    print(first, again, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
+    """
+)
+
+
+def _raise_in_child(start: int, cap: int) -> tuple[list[int], str]:
+    run = subprocess.run(
+        [sys.executable, "-c", RAISE_CHILD, str(start), str(cap)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return [int(v) for v in run.stdout.split()], run.stderr
+
+
+def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_capped_and_logs_once() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard descriptor limit here is {hard}: nothing to raise to")
+    cap = 512 if hard == resource.RLIM_INFINITY else min(hard, 512)
+    (first, again, now, _), err = _raise_in_child(256, cap)
+    assert first == again == now == cap
+    assert err.count("file descriptor limit raised from 256 to") == 1
+    # Never lowered: a soft limit already above the cap stays.
+    (first, _, now, _), err = _raise_in_child(cap, 300)
+    assert first == now == cap
+    assert "raised" not in err
