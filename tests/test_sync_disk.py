@@ -21,7 +21,7 @@ import pytest
 
 from agent.rundir import read_status
 from agent.sinks import sha256_file
-from agent.sync import Ledger, Snapshotter, SyncEngine
+from agent.sync import ItemKind, Ledger, SyncEngine
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, make_run, running, sync_cfg, until, write_epoch
 
@@ -183,7 +183,7 @@ def test_recover_requeues_what_a_killed_agent_left_and_removes_stale_snapshots(
         st = read_status(run_dir)
         assert st is not None
         assert await engine.on_epoch(run_dir, st, extra_files=[state / "state.json"]) == 7
-        return {i["path"]: engine._pending[i["path"]].local for i in engine.queue}
+        return {i["path"]: engine.uploads._pending[i["path"]].local for i in engine.queue}
 
     left = asyncio.run(killed_agent())
     # What happened to the box meanwhile:
@@ -230,18 +230,6 @@ def test_recover_requeues_what_a_killed_agent_left_and_removes_stale_snapshots(
     assert any("neither its snapshot nor its source" in r.getMessage() for r in caplog.records)
 
 
-def test_new_snapshots_never_overwrite_a_leftover_one(tmp_path: Path) -> None:
-    snapshots = tmp_path / "snapshots"
-    snapshots.mkdir()
-    (snapshots / "000001-last.pt").write_bytes(b"a killed agent's pending snapshot")
-    (snapshots / "000007-last.pt").write_bytes(b"another one")
-    src = tmp_path / "last.pt"
-    write_checkpoint(src, 3)
-    taken = Snapshotter(snapshots).take(src, checkpoint=True)
-    assert taken is not None and taken.path.name == "000008-last.pt"
-    assert (snapshots / "000001-last.pt").read_bytes() == b"a killed agent's pending snapshot"
-
-
 def test_cleanup_at_done_empties_the_snapshot_folder_but_keeps_what_is_still_owed(
     tmp_path: Path,
 ) -> None:
@@ -256,7 +244,7 @@ def test_cleanup_at_done_empties_the_snapshot_folder_but_keeps_what_is_still_owe
         snapshots = engine.snapshots.root
         snapshots.mkdir(parents=True)
         good = make_item(snapshots, "weights/last.pt", 3)
-        owed = make_item(snapshots, "weights/best.pt", 3, kind="best")
+        owed = make_item(snapshots, "weights/best.pt", 3, kind=ItemKind.BEST)
         (snapshots / "000003-last.pt.tmp").write_bytes(b"partial")
         async with running(engine, sink):
             engine.submit(good)

@@ -21,7 +21,7 @@ import pytest
 
 from agent.sinks import sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync import Ledger, SyncEngine
+from agent.sync import ItemKind, Ledger, SyncEngine
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until
 
 
@@ -74,7 +74,7 @@ def test_failed_upload_is_requeued_although_its_ledger_write_fails_with_emfile(
     remote = tmp_path / "remote"
     sink = FaultySink(remote)
     gate = sink.gate("weights/best.pt")
-    item = make_item(tmp_path / "snaps", "weights/best.pt", 11, kind="best")
+    item = make_item(tmp_path / "snaps", "weights/best.pt", 11, kind=ItemKind.BEST)
 
     async def scenario() -> dict[str, Any]:
         engine = SyncEngine(
@@ -114,7 +114,7 @@ def test_submit_and_a_sink_raising_bare_emfile_lose_nothing(tmp_path: Path) -> N
     remote = tmp_path / "remote"
     items = [
         make_item(tmp_path / "snaps", "weights/last.pt", 3),
-        make_item(tmp_path / "snaps", "weights/epoch_3.pt", 3, kind="epoch"),
+        make_item(tmp_path / "snaps", "weights/epoch_3.pt", 3, kind=ItemKind.EPOCH),
     ]
 
     async def scenario() -> SyncEngine:

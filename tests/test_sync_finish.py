@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.rundir import read_status
-from agent.sync import SyncEngine
+from agent.sync import ItemKind, SyncEngine
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, make_run, running, sync_cfg, until
 
@@ -96,7 +96,7 @@ def test_status_shows_a_stuck_upload_since_when_and_the_last_error(tmp_path: Pat
     gate = sink.gate("weights/last.pt")
     sink.fail["weights/best.pt"] = 10_000
     stuck = make_item(tmp_path / "snaps", "weights/last.pt", 5)
-    failing = make_item(tmp_path / "snaps", "weights/best.pt", 5, kind="best")
+    failing = make_item(tmp_path / "snaps", "weights/best.pt", 5, kind=ItemKind.BEST)
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], float]:
         engine = SyncEngine(
