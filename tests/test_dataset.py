@@ -1,24 +1,20 @@
-"""Staging: safe unpack, the staging marker, the doctor gate, and downloads from a fake Hub.
+"""Staging (agent/dataset.py): downloads from a fake Hub, the staging marker, finding the data
+YAML, the doctor gate, and what staging does with an archive the unpacker refuses.
 
 Downloads use the real ``huggingface_hub`` client against ``tests/fakes/hub.py`` on 127.0.0.1;
 the doctor gate runs the real ``libreyolo doctor`` (a few seconds each, so only twice; marked
-``training``).
+``training``). The unpacker itself is tested in tests/test_archive.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
-import math
-import os
 import random
 import shutil
-import stat
 import sys
 import tarfile
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,19 +23,26 @@ import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError
 
 from agent import dataset
+from agent.archive import UnsafeArchiveError
 from agent.config import DatasetSection, Env
 from agent.dataset import (
     MARKER_NAME,
     DoctorError,
     StagingError,
-    UnsafeArchiveError,
     find_data_yaml,
     read_marker,
-    run_doctor,
-    safe_unpack,
     stage_dataset,
 )
 from tests.fakes.hub import FakeHub, run_fake_hub
+from tests.test_archive import (
+    MiB,
+    reg,
+    small_archive,
+    tar_bytes,
+    write,
+    zeros_archive,
+    zip_bytes,
+)
 
 requires_libreyolo = pytest.mark.skipif(
     shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None
@@ -53,58 +56,6 @@ BAD_TOKEN = "hf_not_a_real_token_0123456789"
 
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-def snapshot(root: Path) -> set[str]:
-    """Every path under ``root`` (links not followed), to prove nothing was written."""
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
-
-
-def tar_bytes(*members: tuple[tarfile.TarInfo, bytes | None], mode: str = "w") -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode=mode, format=tarfile.PAX_FORMAT) as tf:
-        for info, data in members:
-            if data is None:
-                tf.addfile(info)
-            else:
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def reg(name: str, data: bytes = b"data\n", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.mode = mode
-    return info, data
-
-
-def special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
-    info = tarfile.TarInfo(name)
-    info.type = kind
-    info.linkname = linkname
-    info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
-    return info, None
-
-
-def zip_bytes(*entries: tuple[zipfile.ZipInfo | str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for info, data in entries:
-            zf.writestr(info, data)
-    return buf.getvalue()
-
-
-def zip_symlink(name: str, target: str) -> tuple[zipfile.ZipInfo, bytes]:
-    info = zipfile.ZipInfo(name)
-    info.create_system = 3
-    info.external_attr = (stat.S_IFLNK | 0o777) << 16
-    return info, target.encode()
-
-
-def write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
 
 
 def noise_png(rng: random.Random, size: int = 32) -> bytes:
@@ -150,252 +101,6 @@ def env_for(hub_url: str, tmp_path: Path, token: str | None = None) -> Env:
         hf_home=tmp_path / "hf",
         hf_token=token,
     )
-
-
-def small_archive() -> bytes:
-    return tar_bytes(
-        special("ds", tarfile.DIRTYPE),
-        reg("ds/a.txt", b"alpha\n"),
-        reg("ds/sub/b.txt", b"beta\n"),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Safe unpack: hostile archives are refused before anything is written
-
-
-def _outside(tmp_path: Path) -> str:
-    return str(tmp_path / "sentinel.txt")
-
-
-HOSTILE_TARS = {
-    "traversal": lambda t: [reg("ok.txt"), reg("../sentinel.txt")],
-    "traversal_nested": lambda t: [reg("a/b/../../../sentinel.txt")],
-    "absolute": lambda t: [reg(_outside(t))],
-    "symlink_escape": lambda t: [special("link", tarfile.SYMTYPE, "../sentinel.txt")],
-    "symlink_absolute": lambda t: [special("link", tarfile.SYMTYPE, _outside(t))],
-    # Lexically "deep/er/up/../.." is "deep", but the kernel follows deep/er/up (-> dest) first.
-    "symlink_chain_escape": lambda t: [
-        special("deep/er", tarfile.DIRTYPE),
-        special("deep/er/up", tarfile.SYMTYPE, "../.."),
-        special("link", tarfile.SYMTYPE, "deep/er/up/../.."),
-    ],
-    "write_through_symlink": lambda t: [
-        special("dir", tarfile.DIRTYPE),
-        special("l", tarfile.SYMTYPE, "dir"),
-        reg("l/file.txt"),
-    ],
-    "hardlink_escape": lambda t: [special("h", tarfile.LNKTYPE, "../sentinel.txt")],
-    "hardlink_absolute": lambda t: [special("h", tarfile.LNKTYPE, _outside(t))],
-    "hardlink_to_symlink": lambda t: [
-        special("s", tarfile.SYMTYPE, "x"),
-        special("h", tarfile.LNKTYPE, "s"),
-    ],
-    "char_device": lambda t: [special("dev/null", tarfile.CHRTYPE)],
-    "block_device": lambda t: [special("dev/sda", tarfile.BLKTYPE)],
-    "fifo": lambda t: [special("pipe", tarfile.FIFOTYPE)],
-}
-
-
-@pytest.mark.parametrize("case", sorted(HOSTILE_TARS))
-def test_hostile_tar_is_refused_and_nothing_is_written(tmp_path: Path, case: str) -> None:
-    members = HOSTILE_TARS[case](tmp_path)
-    archive = write(tmp_path / "in" / "evil.tar", tar_bytes(*members))
-    dest = tmp_path / "work" / "data"
-    before = snapshot(tmp_path)
-
-    with pytest.raises(UnsafeArchiveError) as info:
-        safe_unpack(archive, dest)
-
-    err = info.value
-    assert not err.retryable
-    assert "nothing was unpacked" in str(err)
-    assert "\n" not in str(err)
-    assert err.members, err
-    for name in err.members:
-        assert repr(name)[:40] in str(err)
-    assert not (tmp_path / "sentinel.txt").exists()
-    assert not os.path.lexists(dest)
-    assert snapshot(tmp_path) == before  # no dest, no temporary sibling, nothing anywhere
-
-
-def test_every_unsafe_member_is_named(tmp_path: Path) -> None:
-    archive = write(
-        tmp_path / "evil.tar",
-        tar_bytes(
-            reg("good.txt"),
-            reg("../up.txt"),
-            special("pipe", tarfile.FIFOTYPE),
-            special("esc", tarfile.SYMTYPE, "../../x"),
-            special("dev", tarfile.CHRTYPE),
-        ),
-    )
-    with pytest.raises(UnsafeArchiveError) as info:
-        safe_unpack(archive, tmp_path / "data")
-    msg = str(info.value)
-    assert info.value.members == ["../up.txt", "pipe", "esc", "dev"]
-    assert "4 unsafe member(s)" in msg
-    assert "'../up.txt': leaves the destination" in msg
-    assert "'pipe': is a FIFO" in msg
-    assert "'esc': is a symlink that points outside the destination" in msg
-    assert "'dev': is a character device" in msg
-    assert "good.txt" not in msg
-
-
-@pytest.mark.parametrize(
-    "entry",
-    [
-        ("../sentinel.txt", b"x"),
-        ("a/../../sentinel.txt", b"x"),
-        ("/abs/sentinel.txt", b"x"),
-        zip_symlink("link", "../sentinel.txt"),
-    ],
-    ids=["traversal", "traversal_nested", "absolute", "symlink_escape"],
-)
-def test_hostile_zip_is_refused(tmp_path: Path, entry: tuple[zipfile.ZipInfo | str, bytes]) -> None:
-    archive = write(tmp_path / "evil.zip", zip_bytes(("ok.txt", b"fine"), entry))
-    dest = tmp_path / "work" / "data"
-    before = snapshot(tmp_path)
-    with pytest.raises(UnsafeArchiveError, match="unsafe member"):
-        safe_unpack(archive, dest)
-    assert snapshot(tmp_path) == before
-
-
-def test_zip_fifo_member_is_refused(tmp_path: Path) -> None:
-    info = zipfile.ZipInfo("pipe")
-    info.create_system = 3
-    info.external_attr = (stat.S_IFIFO | 0o644) << 16
-    archive = write(tmp_path / "evil.zip", zip_bytes((info, b"")))
-    with pytest.raises(UnsafeArchiveError, match="'pipe': is a FIFO"):
-        safe_unpack(archive, tmp_path / "data")
-
-
-# --------------------------------------------------------------------------------------------
-# Safe unpack: good archives
-
-
-def good_tree_tar(mode: str) -> bytes:
-    return tar_bytes(
-        special("./", tarfile.DIRTYPE),
-        special("ds", tarfile.DIRTYPE),
-        reg("ds/images/a.txt", b"alpha\n"),
-        reg("ds/run.sh", b"#!/bin/sh\n", mode=0o4755),  # setuid must not survive
-        special("ds/labels", tarfile.SYMTYPE, "images"),
-        special("ds/same.txt", tarfile.LNKTYPE, "ds/images/a.txt"),
-        mode=mode,
-    )
-
-
-@pytest.mark.parametrize(
-    ("suffix", "mode"),
-    [
-        (".tar", "w"),
-        (".tar.gz", "w:gz"),
-        (".tgz", "w:gz"),
-        (".tar.bz2", "w:bz2"),
-        (".tar.xz", "w:xz"),
-    ],
-)
-def test_good_tar_unpacks(tmp_path: Path, suffix: str, mode: str) -> None:
-    archive = write(tmp_path / f"good{suffix}", good_tree_tar(mode))
-    dest = tmp_path / "data"
-    written = safe_unpack(archive, dest)
-    # The hardlink is written as a copy: its bytes count too.
-    assert written == 2 * len(b"alpha\n") + len(b"#!/bin/sh\n")
-    assert (dest / "ds/images/a.txt").read_bytes() == b"alpha\n"
-    assert os.readlink(dest / "ds/labels") == "images"
-    assert (dest / "ds/labels/a.txt").read_bytes() == b"alpha\n"
-    assert (dest / "ds/same.txt").read_bytes() == b"alpha\n"
-    assert (dest / "ds/same.txt").stat().st_ino != (dest / "ds/images/a.txt").stat().st_ino
-    run_mode = (dest / "ds/run.sh").stat().st_mode
-    assert run_mode & 0o100 and not run_mode & stat.S_ISUID  # filter="data" was applied
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([archive.name, "data"])
-
-
-def test_good_zip_unpacks(tmp_path: Path) -> None:
-    exe = zipfile.ZipInfo("ds/run.sh")
-    exe.create_system = 3
-    exe.external_attr = (stat.S_IFREG | 0o755) << 16
-    archive = write(
-        tmp_path / "good.zip",
-        zip_bytes(
-            ("ds/", b""),
-            ("ds/images/a.txt", b"alpha\n" * 100),
-            (exe, b"#!/bin/sh\n"),
-            zip_symlink("ds/labels", "images"),
-        ),
-    )
-    dest = tmp_path / "data"
-    assert safe_unpack(archive, dest) == 600 + 10
-    assert (dest / "ds/images/a.txt").read_bytes() == b"alpha\n" * 100
-    assert (dest / "ds/run.sh").stat().st_mode & 0o100
-    assert os.readlink(dest / "ds/labels") == "images"
-
-
-def test_unpack_fills_an_existing_empty_dest(tmp_path: Path) -> None:
-    archive = write(tmp_path / "a.tar", small_archive())
-    (tmp_path / "data").mkdir()
-    assert safe_unpack(archive, tmp_path / "data") == 11
-    assert (tmp_path / "data" / "ds" / "a.txt").read_bytes() == b"alpha\n"
-
-
-def test_unpack_refuses_a_non_empty_dest(tmp_path: Path) -> None:
-    archive = write(tmp_path / "a.tar", small_archive())
-    write(tmp_path / "data" / "mine.txt", b"keep me")
-    with pytest.raises(StagingError, match="not an empty directory"):
-        safe_unpack(archive, tmp_path / "data")
-    assert (tmp_path / "data" / "mine.txt").read_bytes() == b"keep me"
-
-
-def test_unsupported_format_is_refused(tmp_path: Path) -> None:
-    archive = write(tmp_path / "a.rar", b"Rar!")
-    with pytest.raises(StagingError, match=r"not a supported archive; pack the dataset as \.tar"):
-        safe_unpack(archive, tmp_path / "data")
-
-
-def test_truncated_archive_is_a_clear_error(tmp_path: Path) -> None:
-    data = tar_bytes(reg("a.txt", os.urandom(50_000)), mode="w:gz")
-    archive = write(tmp_path / "a.tar.gz", data[: len(data) // 2])
-    before = snapshot(tmp_path)
-    with pytest.raises(StagingError, match=r"a\.tar\.gz is not a readable tar archive"):
-        safe_unpack(archive, tmp_path / "data")
-    assert snapshot(tmp_path) == before
-
-
-def test_failed_unpack_leaves_nothing_half_written(tmp_path: Path) -> None:
-    # The listing is fine; the second member's data is corrupt, found only while extracting.
-    raw = bytearray(zip_bytes(("ds/a.txt", b"a" * 1000), ("ds/b.txt", b"payload-" * 500)))
-    i = raw.rfind(b"ds/b.txt", 0, raw.find(b"PK\x01\x02")) + len("ds/b.txt") + 5
-    raw[i] ^= 0xFF
-    archive = write(tmp_path / "bad.zip", bytes(raw))
-    before = snapshot(tmp_path)
-    with pytest.raises(StagingError, match=r"bad\.zip is not a readable zip archive"):
-        safe_unpack(archive, tmp_path / "data")
-    assert snapshot(tmp_path) == before  # ds/a.txt was written to the temp dir, then removed
-
-
-def test_disk_check_refuses_before_writing(tmp_path: Path) -> None:
-    # A GNU sparse member (PAX 0.1) claims 1 PB of content in a 10 KiB tar: a real disk check
-    # on the real file system, no monkeypatching. (With the default expansion cap it is refused
-    # as a decompression bomb first: see test_dataset_bombs.py.)
-    big = tarfile.TarInfo("ds/big.bin")
-    big.pax_headers = {
-        "GNU.sparse.map": "0,0",
-        "GNU.sparse.size": str(10**15),
-        "GNU.sparse.name": "ds/big.bin",
-    }
-    archive = write(tmp_path / "huge.tar", tar_bytes(reg("ds/a.txt"), (big, b"")))
-    dest = tmp_path / "work" / "data"
-    before = snapshot(tmp_path)
-    with pytest.raises(StagingError) as info:
-        safe_unpack(archive, dest, max_ratio=math.inf)
-    msg = str(info.value)
-    assert msg.startswith(f"not enough disk space to unpack huge.tar into {dest}: needs ")
-    assert "1,000,000,000,00" in msg  # needed bytes, in full
-    free = int(msg.split("but only ")[1].split(" bytes")[0].replace(",", ""))
-    assert 0 < free < 10**15
-    assert "free some space or rent a bigger disk" in msg
-    assert snapshot(tmp_path) == before
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,10 +247,30 @@ def test_foreign_dest_is_refused_before_any_download(hub: FakeHub, tmp_path: Pat
 def test_hostile_archive_from_the_hub_is_refused(hub: FakeHub, tmp_path: Path) -> None:
     hub.add_file("dataset", "org/ds", "evil.tar", tar_bytes(reg("../../sentinel.txt")))
     ds = DatasetSection(repo="org/ds", file="evil.tar", dest=tmp_path / "w" / "data")
-    with pytest.raises(UnsafeArchiveError, match=r"'\.\./\.\./sentinel\.txt': leaves"):
+    with pytest.raises(StagingError, match=r"'\.\./\.\./sentinel\.txt': leaves") as info:
         stage_dataset(ds, env_for(hub.url, tmp_path))
+    assert not info.value.retryable  # the same bytes fail the same way: never retried
+    assert isinstance(info.value.__cause__, UnsafeArchiveError)
+    assert info.value.__cause__.members == ["../../sentinel.txt"]
     assert not (tmp_path / "sentinel.txt").exists()
     assert not (tmp_path / "w" / "data").exists()
+
+
+def test_bomb_from_the_hub_is_refused_and_the_earlier_staging_kept(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.add_file("dataset", "org/ds", "v1.tar", small_archive())
+    hub.add_file("dataset", "org/ds", "v2.tar.gz", zeros_archive(".tar.gz", 32 * MiB))
+    env = env_for(hub.url, tmp_path)
+    stage_dataset(DatasetSection(repo="org/ds", file="v1.tar", dest=tmp_path / "data"), env)
+
+    with pytest.raises(StagingError, match=r"^archive v2\.tar\.gz expands past 200 times"):
+        stage_dataset(DatasetSection(repo="org/ds", file="v2.tar.gz", dest=tmp_path / "data"), env)
+
+    marker = read_marker(tmp_path / "data")
+    assert marker is not None and marker["file"] == "v1.tar"  # refused before touching it
+    assert (tmp_path / "data" / "ds" / "a.txt").read_bytes() == b"alpha\n"
+    assert not list(tmp_path.glob(".data.*"))
 
 
 def test_private_repo_with_a_read_token(hub: FakeHub, tmp_path: Path) -> None:
@@ -716,20 +441,3 @@ def test_doctor_gate_stops_a_broken_dataset(hub: FakeHub, tmp_path: Path) -> Non
     assert err.report["exit_code"] == 1
     # The data stays staged: a fixed doctor setting must not download it again.
     assert read_marker(tmp_path / "data") is not None
-
-
-@pytest.mark.training
-@requires_libreyolo
-def test_run_doctor_on_a_missing_yaml(tmp_path: Path) -> None:
-    with pytest.raises(StagingError, match=r"libreyolo doctor could not check .* \(exit 3\)"):
-        run_doctor(tmp_path / "nope.yaml", timeout_s=120)
-
-
-def test_doctor_json_report_parsing() -> None:
-    text = 'log line\n{"summary": {"errors": 0}, "findings": []}\n'
-    assert dataset._parse_json_object(text) == {"summary": {"errors": 0}, "findings": []}
-    assert dataset._parse_json_object("no json here") is None
-    many = {"findings": [{"check_id": "x", "paths": [str(i) for i in range(100)]}]}
-    trimmed = dataset._trim_findings(many)
-    assert len(trimmed[0]["paths"]) == 20 and trimmed[0]["paths_truncated"] == 80
-    assert json.dumps(trimmed)  # JSON-ready for the report

@@ -1,5 +1,5 @@
-"""The data YAML check of every job (issue 8): a staged YAML may not point outside the staged
-folder, and ``libreyolo doctor`` runs for staged and local datasets alike.
+"""The data YAML check of every job (agent/datacheck.py, issue 8): a staged YAML may not point
+outside the staged folder, and ``libreyolo doctor`` runs for staged and local datasets alike.
 
 Staged cases go through the real download (fake Hub on 127.0.0.1) and the real unpacker; the
 doctor cases run the real ``libreyolo doctor`` (a few seconds each, marked ``training``).
@@ -7,6 +7,7 @@ doctor cases run the real ``libreyolo doctor`` (a few seconds each, marked ``tra
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -16,17 +17,20 @@ from pathlib import Path
 
 import pytest
 
+from agent import datacheck
 from agent.config import DatasetSection
-from agent.dataset import (
+from agent.datacheck import (
     DataCheck,
     DoctorError,
     StagingError,
     check_data_yaml,
-    stage_dataset,
+    run_doctor,
 )
+from agent.dataset import stage_dataset
 from agent.demo import make_dataset
 from tests.fakes.hub import FakeHub
-from tests.test_dataset import env_for, reg, special, tar_bytes, write
+from tests.test_archive import reg, special, tar_bytes, write
+from tests.test_dataset import env_for
 from tests.test_dataset import hub as hub  # the fixture, used by name
 
 requires_libreyolo = pytest.mark.skipif(
@@ -282,3 +286,24 @@ def test_doctor_stops_a_broken_local_dataset(
     assert msg.endswith("; fix the dataset, or set dataset.doctor = false to train anyway")
     assert [f["check_id"] for f in info.value.findings if f["severity"] == "error"] == [check_id]
     assert not os.path.exists(tmp_path / "ds" / ".libreyolo-agent-staged.json")
+
+
+# --------------------------------------------------------------------------------------------
+# run_doctor and its report
+
+
+@pytest.mark.training
+@requires_libreyolo
+def test_run_doctor_on_a_missing_yaml(tmp_path: Path) -> None:
+    with pytest.raises(StagingError, match=r"libreyolo doctor could not check .* \(exit 3\)"):
+        run_doctor(tmp_path / "nope.yaml", timeout_s=120)
+
+
+def test_doctor_json_report_parsing() -> None:
+    text = 'log line\n{"summary": {"errors": 0}, "findings": []}\n'
+    assert datacheck._parse_json_object(text) == {"summary": {"errors": 0}, "findings": []}
+    assert datacheck._parse_json_object("no json here") is None
+    many = {"findings": [{"check_id": "x", "paths": [str(i) for i in range(100)]}]}
+    trimmed = datacheck._trim_findings(many)
+    assert len(trimmed[0]["paths"]) == 20 and trimmed[0]["paths_truncated"] == 80
+    assert json.dumps(trimmed)  # JSON-ready for the report
