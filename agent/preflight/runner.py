@@ -1,0 +1,154 @@
+"""Running the torch probe (``agent/probe.py``) in a child Python, in its own session.
+
+The child gets a deadline; when it passes, its whole process group is killed (a hung GPU, a
+hung NCCL worker), and the result says at which stage it hung. Its stderr is read by chunks and
+only the tail is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("agent.preflight")
+
+#: The probe script, run by path (it sits beside this package, in ``agent/``).
+PROBE_PATH = Path(__file__).parent.parent / "probe.py"
+#: Seconds to wait for a killed probe to go away before giving up on it.
+KILL_GRACE_S = 5.0
+_STAGE_PREFIX = "libreyolo-agent-probe: stage "
+_PROBE_SCHEMA = 1
+_STDERR_TAIL = 4000
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe reported (``doc``), or how it failed to."""
+
+    #: The probe's JSON report; None when it hung, died or printed none.
+    doc: dict[str, Any] | None
+    seconds: float
+    returncode: int | None
+    timed_out: bool = False
+    #: The last stage the probe announced on stderr (``import torch``, ``gpu0.matmul``...).
+    last_stage: str | None = None
+    #: Why there is no report, when the exit code does not say it.
+    error: str | None = None
+    stderr_tail: str = ""
+
+
+async def run_probe(
+    python: str, config: dict[str, Any], timeout_s: float, extra_pythonpath: list[str]
+) -> ProbeResult:
+    """Run the probe under ``python`` with ``config``; kill its process group after ``timeout_s``.
+
+    ``extra_pythonpath`` goes first on the child's import path. Never raises for a problem of
+    the child: a probe that cannot start, dies or hangs comes back as a result without ``doc``.
+    """
+    env = dict(os.environ)
+    paths = [*extra_pythonpath, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    # Run by path, so that the probe needs no installed agent; PYTHONSAFEPATH keeps agent/
+    # itself (the script's directory) off sys.path.
+    env["PYTHONSAFEPATH"] = "1"
+    t0 = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            python,
+            str(PROBE_PATH),
+            json.dumps(config),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return ProbeResult(None, 0.0, None, error=f"cannot start {python}: {exc}")
+    assert proc.stdout is not None and proc.stderr is not None
+    stages: list[str] = []
+    tail = bytearray()
+
+    def on_line(raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace")
+        if line.startswith(_STAGE_PREFIX):
+            stages.append(line[len(_STAGE_PREFIX) :].strip())
+        else:
+            tail.extend(raw + b"\n")
+            del tail[:-_STDERR_TAIL]
+
+    async def read_stderr(stream: asyncio.StreamReader) -> None:
+        # By chunks, not readline(): a progress bar redrawn with \r makes one endless "line".
+        pending = b""
+        while chunk := await stream.read(65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                on_line(raw)
+            if len(pending) > _STDERR_TAIL:
+                on_line(pending)
+                pending = b""
+        if pending:
+            on_line(pending)
+
+    out_task = asyncio.create_task(proc.stdout.read())
+    err_task = asyncio.create_task(read_stderr(proc.stderr))
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            log.warning(
+                "preflight: probe hung at %s, killing it after %.0f s",
+                stages[-1] if stages else "start",
+                timeout_s,
+            )
+    finally:
+        # Always, also after a normal exit: NCCL workers left behind share the group.
+        kill_group(proc.pid)
+        if timed_out or proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                # A process stuck in the driver (state D) may never go; do not wait for it.
+                await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
+        _, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
+        for task in pending:
+            task.cancel()
+        # Also collects the readers' own errors, so none is left "never retrieved".
+        await asyncio.gather(out_task, err_task, return_exceptions=True)
+    seconds = time.monotonic() - t0
+    ok_read = out_task.done() and not out_task.cancelled() and out_task.exception() is None
+    stdout = out_task.result() if ok_read else b""
+    result = ProbeResult(
+        None,
+        seconds,
+        proc.returncode,
+        timed_out=timed_out,
+        last_stage=stages[-1] if stages else None,
+        stderr_tail=tail.decode("utf-8", "replace"),
+    )
+    if timed_out:
+        return result
+    text = stdout.decode("utf-8", "replace").strip()
+    try:
+        doc = json.loads(text.splitlines()[-1]) if text else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("schema") != _PROBE_SCHEMA:
+        what = "no report" if not text else "an unreadable report"
+        return replace(result, error=f"{what} (exit code {proc.returncode})")
+    return replace(result, doc=doc)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group that may already be gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
