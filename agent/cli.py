@@ -1,13 +1,16 @@
 """Command line: argument parsing, exit codes, and the only place that prints for humans.
 
 Exit codes of ``run``: 0 the job ended as planned (whatever the training outcome), 1 the agent
-failed, 2 the job file is bad. ``preflight``: 0 nothing failed, 1 something failed, 2 bad job.
+failed, 2 the job file is bad (or a demo-only option came with one). ``preflight``: 0 nothing
+failed, 1 something failed, 2 bad job. A bad job file is reported whole: every mistake, one line
+each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,12 +19,34 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import __version__, logutil
-from .config import ConfigError, Env, Job, load_job
+from . import __version__, demo, logutil
+from .config import ConfigError, Env, Job, ServerSection, load_job
+from .state import RunState, StateStore
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+
+RUN_EPILOG = """\
+exit codes:
+  0  the job ended as planned (whatever the training outcome)
+  1  the agent failed (the cause is printed; details in agent.log in the state directory)
+  2  the job file is bad (every mistake is printed, one per line), or an option does not
+     apply to it
+
+environment:
+  LIBREYOLO_AGENT_STATE_DIR  state directory: state.json, agent.log, the control token, the
+                             sync ledger (default /var/lib/libreyolo-agent; the demo job keeps
+                             its state in DEMO_DIR/state whatever this says)
+  HF_TOKEN                   Hugging Face token, for hf:// sync targets and private datasets;
+                             never logged
+  HF_ENDPOINT                Hugging Face Hub base URL (default https://huggingface.co)
+  HF_HOME                    Hugging Face cache folder; staged datasets download through
+                             HF_HOME/hub
+"""
 
 
 def _err(message: str) -> None:
@@ -48,7 +73,34 @@ def _load(path: str) -> Job:
 # ---------------------------------------------------------------------------------------- run
 
 
+def _demo_only_options(args: argparse.Namespace) -> list[str]:
+    """Why each demo-only option given with a JOB is refused: a job file sets these itself,
+    and taking them silently would run something else than what the user typed."""
+    if not args.job:
+        return []
+    given = (
+        ("--port", args.port is not None, "the job file sets [server] listen"),
+        (
+            "--demo-dir",
+            args.demo_dir is not None,
+            "the job file sets its folders (job.runs_dir, dataset.dest, sync.target) and "
+            "LIBREYOLO_AGENT_STATE_DIR the state directory",
+        ),
+    )
+    return [
+        f"{option} applies to the demo job only (run without JOB); {instead}"
+        for option, present, instead in given
+        if present
+    ]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    refused = _demo_only_options(args)
+    for message in refused:
+        _err(message)
+    if refused:
+        return EXIT_CONFIG
+
     from .daemon import AgentError, Daemon
 
     _setup_logging(args.verbose)
@@ -59,9 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         job = _load(args.job)
         env = Env.from_environ()
     else:
-        from . import demo
-
-        demo_root = Path(args.demo_dir).resolve()
+        demo_root = Path(args.demo_dir or demo.DEMO_DIR).resolve()
         job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)
         # The demo's state lives in its own folder, whatever LIBREYOLO_AGENT_STATE_DIR says:
         # that variable names a real job's state, which the demo must never touch.
@@ -92,7 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _print_ready(daemon: Any) -> None:
+def _print_ready(daemon: Daemon) -> None:
     server = daemon.state.server or {}
     print(
         f"libreyolo-agent {__version__}: job {daemon.job.job.name!r}, status on "
@@ -101,7 +151,7 @@ def _print_ready(daemon: Any) -> None:
     )
 
 
-def _print_summary(daemon: Any, demo_root: Path | None) -> None:
+def _print_summary(daemon: Daemon, demo_root: Path | None) -> None:
     st = daemon.state
     lines = [
         "",
@@ -117,11 +167,17 @@ def _print_summary(daemon: Any, demo_root: Path | None) -> None:
         if v is not None:
             lines.append(f"verified:   {v.sync_verified} ({v.checked} files checked)")
     if st.teardown:
-        lines.append(f"teardown:   {st.teardown.get('detail') or st.teardown.get('action')}")
+        lines.append(f"teardown:   {_teardown_line(st.teardown)}")
     lines.append(f"state dir:  {daemon.env.state_dir} (state.json, agent.log, trainer.log)")
     if demo_root:
         lines.append(f"demo data:  {demo_root / 'data'}")
     print("\n".join(lines))
+
+
+def _teardown_line(teardown: dict[str, Any] | None) -> str:
+    if not teardown:
+        return "-"
+    return str(teardown.get("detail") or teardown.get("action") or "-")
 
 
 # ---------------------------------------------------------------------------------- preflight
@@ -160,17 +216,28 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ status / stop
 
 
+def _read_state(state_dir: Path) -> RunState | None:
+    """The state file of the agent that runs, or ran, in ``state_dir``; None when there is
+    none or it cannot be read."""
+    try:
+        return StateStore(state_dir).load()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _endpoint(args: argparse.Namespace) -> tuple[str, Path]:
     state_dir = Path(args.state_dir or Env.from_environ().state_dir)
     if args.url:
         return args.url.rstrip("/"), state_dir
-    host, port = "127.0.0.1", 8421
-    try:
-        data = json.loads((state_dir / "state.json").read_text())
-        server = data.get("server") or {}
-        host, port = server.get("host", host), int(server.get("port", port))
-    except (OSError, ValueError):
-        pass
+    default = ServerSection()
+    host, port = default.host, default.port
+    record = _read_state(state_dir)
+    if record is not None and isinstance(record.server, dict):
+        host = str(record.server.get("host", host))
+        with contextlib.suppress(TypeError, ValueError):
+            port = int(record.server.get("port", port))
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
     return f"http://{host}:{port}", state_dir
 
 
@@ -181,6 +248,16 @@ def _http(method: str, url: str, token: str | None = None) -> dict[str, Any]:
     with urllib.request.urlopen(req, timeout=10) as resp:
         data: dict[str, Any] = json.loads(resp.read())
         return data
+
+
+def _unreachable(exc: OSError) -> str:
+    """Why nothing answered, in a few words: ``connection refused``, ``timed out``."""
+    reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, TimeoutError):
+        return "timed out"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror.lower()
+    return str(reason) or type(reason).__name__
 
 
 def _format_status(s: dict[str, Any]) -> str:
@@ -203,13 +280,78 @@ def _format_status(s: dict[str, Any]) -> str:
     return "\n".join(f"{k:<18} {v}" for k, v in rows)
 
 
+def _ended_record(record: RunState, path: Path) -> dict[str, Any]:
+    """What ``status`` says of an ended job when no agent runs: its state file's verdict."""
+    return {
+        "source": "state_file",
+        "state_file": str(path),
+        "agent_running": False,
+        "ended": True,
+        "job": record.job_name,
+        "phase": record.phase.value,
+        "reason": record.reason.value if record.reason else None,
+        "cause": record.cause,
+        "teardown": record.teardown,
+        "updated_at": record.updated_at,
+    }
+
+
+def _format_ended(d: dict[str, Any]) -> str:
+    ended = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(d["updated_at"]))
+    rows = [
+        ("job", d["job"]),
+        ("phase", d["phase"]),
+        ("reason", d["reason"] or "-"),
+        ("cause", d["cause"] or "-"),
+        ("teardown", _teardown_line(d["teardown"])),
+        ("last written", ended),
+    ]
+    head = f"no agent is running; this is the record of an ended job, from {d['state_file']}:"
+    return "\n".join([head, *(f"{k:<18} {v}" for k, v in rows)])
+
+
+def _status_without_agent(
+    args: argparse.Namespace, base: str, state_dir: Path, exc: OSError
+) -> int:
+    # With --url alone the local state directory may belong to another agent: not asked then.
+    asked = bool(args.state_dir or not args.url)
+    record = _read_state(state_dir) if asked else None
+    path = StateStore(state_dir).state_path
+    if record is not None and record.phase.terminal:
+        d = _ended_record(record, path)
+        print(json.dumps(d, indent=2) if args.json else _format_ended(d), flush=True)
+        return EXIT_OK
+    why = _unreachable(exc)
+    if record is not None:
+        _err(
+            f"no agent is running for job {record.job_name!r} (nothing answers on {base}: "
+            f"{why}), but its state file {path} says {record.phase.value}: the job has not "
+            "ended; start the agent again (libreyolo-agent run JOB.toml) to carry on"
+        )
+    elif asked:
+        _err(
+            f"no agent is running (nothing answers on {base}: {why}) and {state_dir} has no "
+            "readable state.json; start one with libreyolo-agent run, or pass --state-dir or "
+            "--url"
+        )
+    else:
+        _err(f"no agent answers on {base} ({why}); is --url right?")
+    return EXIT_FAIL
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    base, _ = _endpoint(args)
+    base, state_dir = _endpoint(args)
     while True:
         try:
             s = _http("GET", f"{base}/status")
+        except urllib.error.HTTPError as exc:
+            _err(f"the agent on {base} answered HTTP {exc.code} to GET /status")
+            return EXIT_FAIL
         except (urllib.error.URLError, OSError) as exc:
-            _err(f"no agent answers on {base} ({exc}); is `libreyolo-agent run` running?")
+            # The job ended (the agent exits then) or the agent is down: the state file says.
+            return _status_without_agent(args, base, state_dir, exc)
+        except ValueError:
+            _err(f"{base} answered GET /status, but not with libreyolo-agent's JSON; check --url")
             return EXIT_FAIL
         print(json.dumps(s, indent=2) if args.json else _format_status(s), flush=True)
         if not args.watch or s.get("phase") in ("DONE", "FAILED"):
@@ -235,7 +377,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         _err(f"the agent refused: HTTP {exc.code}")
         return EXIT_FAIL
     except (urllib.error.URLError, OSError) as exc:
-        _err(f"no agent answers on {base} ({exc})")
+        _err(f"no agent answers on {base} ({_unreachable(exc)})")
         return EXIT_FAIL
     print(answer.get("message", "stop requested"))
     return EXIT_OK
@@ -252,33 +394,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"libreyolo-agent {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="run a job (no JOB: the embedded demo job)")
-    r.add_argument("job", nargs="?", help="job file (TOML)")
-    r.add_argument("--demo-dir", default="libreyolo-agent-demo", help="demo job's folder")
-    r.add_argument("--port", type=int, default=None, help="demo job's HTTP port (default: free)")
-    r.add_argument("-v", "--verbose", action="store_true")
+    r = sub.add_parser(
+        "run",
+        help="run a job (no JOB: the embedded demo job)",
+        # Raw text (for the epilog's table): the description carries its own line breaks.
+        description="Run a job in the foreground, from preflight to teardown. With no JOB, run\n"
+        "the embedded demo job: a synthetic dataset, a tiny model trained from scratch,\n"
+        "checkpoints synced to a local folder, teardown 'none'.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("job", nargs="?", help="job file (TOML); leave out for the demo job")
+    r.add_argument(
+        "--demo-dir",
+        default=None,
+        help=f"demo job only: the folder it puts everything in (default: {demo.DEMO_DIR})",
+    )
+    r.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="demo job only: HTTP port of its status endpoint (default: a free one)",
+    )
+    r.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
     r.set_defaults(func=cmd_run)
 
     pf = sub.add_parser("preflight", help="check that this machine can train the job")
-    pf.add_argument("job", nargs="?", help="job file (TOML)")
+    pf.add_argument(
+        "job",
+        nargs="?",
+        help="job file (TOML); leave out to check the machine alone (every GPU must work)",
+    )
     pf.add_argument("--json", action="store_true", help="print every check as JSON")
     pf.set_defaults(func=cmd_preflight)
 
-    c = sub.add_parser("check", help="validate a job file")
-    c.add_argument("job")
+    c = sub.add_parser("check", help="validate a job file (every mistake, one per line; exit 2)")
+    c.add_argument("job", help="job file (TOML)")
     c.set_defaults(func=cmd_check)
 
     for name, func, text in (
-        ("status", cmd_status, "show the running agent's status"),
+        ("status", cmd_status, "show the running agent's status (or an ended job's record)"),
         ("stop", cmd_stop, "stop the job: trainer gets SIGINT, final sync, teardown"),
     ):
         s = sub.add_parser(name, help=text)
-        s.add_argument("--state-dir", help="agent state directory (default: env or /var/lib/...)")
+        s.add_argument(
+            "--state-dir",
+            help="agent state directory (default: $LIBREYOLO_AGENT_STATE_DIR, else "
+            "/var/lib/libreyolo-agent)",
+        )
         s.add_argument("--url", help="agent URL (default: read from the state directory)")
         if name == "status":
-            s.add_argument("--json", action="store_true")
+            s.add_argument("--json", action="store_true", help="print the status as JSON")
             s.add_argument("--watch", action="store_true", help="repeat until the job ends")
-            s.add_argument("--interval", type=float, default=5.0)
+            s.add_argument(
+                "--interval",
+                type=float,
+                default=5.0,
+                help="seconds between two reads with --watch (default: 5)",
+            )
         s.set_defaults(func=func)
     return p
 
@@ -289,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except ConfigError as exc:
-        _err(str(exc))
+        for error in exc.errors:  # every mistake of the job file, one line each
+            _err(str(error))
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_FAIL

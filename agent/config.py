@@ -1,32 +1,48 @@
 """The job file (TOML) and the environment, validated once into frozen dataclasses.
 
 Every error names the key, the value and what was expected, so that ``libreyolo-agent check``
-can print one line and exit 2. Unknown keys are errors: a typo must never be silently ignored
-on a box that bills by the hour.
+can print one line per mistake and exit 2; every mistake of a file is reported at once
+(:class:`ConfigErrors`). Unknown keys are errors: a typo must never be silently ignored on a box
+that bills by the hour. The checks of single values live in :mod:`agent.jobvalues`; the
+defaults live once, in the dataclasses below.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import math
 import os
 import re
-import sys
 import tomllib
-import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from .jobvalues import ConfigError as ConfigError
+from .jobvalues import ConfigErrors as ConfigErrors
+from .jobvalues import (
+    ErrorList,
+    Table,
+    check_document,
+    check_inside,
+    check_revision,
+    check_sync_target,
+    huge_integer_problem,
+    is_loopback,
+    parse_listen,
+    refuse_unprintable,
+    show,
+    url_scheme,
+)
+from .jobvalues import format_duration as format_duration
+from .jobvalues import parse_duration as parse_duration
+from .jobvalues import repo_id_problem as repo_id_problem
 from .trainargs import TrainOptions, installed_train_options
 
 #: Default state directory (env ``LIBREYOLO_AGENT_STATE_DIR`` overrides it).
 DEFAULT_STATE_DIR = Path("/var/lib/libreyolo-agent")
-#: Default HTTP listen address; 8420 is taken by ``libreyolo monitor``.
-DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 
 #: ``[train]`` keys whose relative values name files beside the job file.
@@ -35,66 +51,6 @@ _PATH_TRAIN_KEYS = frozenset({"data", "model"})
 RESERVED_TRAIN_KEYS = frozenset({"project", "name", "json"})
 
 TrainValue = str | int | float | bool
-
-
-class ConfigError(Exception):
-    """A job file or environment value is wrong. The message names the key and the fix.
-
-    The message is always one printable line: a key or value holding a newline, a NUL or an
-    escape sequence is shown escaped, so ``check`` prints one line and a terminal stays sane."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = _printable(key if len(key) <= 200 else key[:197] + "...")
-        super().__init__(_printable(f"{self.key}: {message}"))
-
-
-# --------------------------------------------------------------------------------------------
-# Durations
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(d|h|m|s)")
-_DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def parse_duration(key: str, value: object) -> float:
-    """Parse ``"12h"``, ``"20m"``, ``"1h30m"``, ``"45s"``, ``"2d"`` or a number of seconds."""
-    expected = 'a duration like "90s", "20m", "12h", "1h30m", "2d" or a number of seconds'
-    if isinstance(value, bool):
-        raise ConfigError(key, f"{value!r} is not {expected}")
-    if isinstance(value, int | float):
-        try:
-            seconds = float(value)
-        except OverflowError:
-            raise ConfigError(key, f"{_show(value)} is too large for {expected}") from None
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        pos = 0
-        seconds = 0.0
-        for m in _DURATION_PART.finditer(text):
-            if m.start() != pos:
-                break
-            seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-            pos = m.end()
-        if not text or pos != len(text):
-            raise ConfigError(key, f"{value!r} is not {expected}")
-    else:
-        raise ConfigError(key, f"{value!r} is not {expected}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(key, f"{value!r} must be a positive duration ({expected})")
-    return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """``5400 -> "1h30m"``; used in messages and ``/status``."""
-    s = round(seconds)
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            parts.append(f"{s // size}{unit}")
-            s %= size
-    if s or not parts:
-        parts.append(f"{s}s")
-    return "".join(parts)
-
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -115,8 +71,9 @@ class JobSection:
 class TrainSection:
     #: ``key=value`` arguments for ``libreyolo train`` in job-file order (``data`` is required).
     args: tuple[tuple[str, TrainValue], ...] = ()
-    #: Seconds to wait after SIGINT (LibreYOLO's clean stop) before SIGTERM, then before SIGKILL.
+    #: Seconds to wait after SIGINT (LibreYOLO's clean stop) before SIGTERM (``train.stop_grace``).
     stop_grace_s: float = 60.0
+    #: Seconds to wait after SIGTERM before SIGKILL to the whole tree (``train.kill_grace``).
     kill_grace_s: float = 10.0
 
     def get(self, key: str, default: TrainValue | None = None) -> TrainValue | None:
@@ -198,11 +155,18 @@ class SyncSection:
 
 @dataclass(frozen=True)
 class LimitsSection:
-    #: Wall-clock limit of the training phase, seconds.
+    """Limits on the job, checked while training runs; reaching one stops the trainer and
+    ends the job with reason ``timeout``, ``stalled`` or ``budget``. Default: none set."""
+
+    #: Wall-clock limit of the job, seconds, counted from the agent's first boot for this job
+    #: (persisted in state.json, so a restarted agent does not get a fresh allowance):
+    #: preflight and staging count. Job file: ``limits.max_runtime`` (a duration).
     max_runtime_s: float | None = None
-    #: Training counts as stalled when status.json has not moved on for this long, seconds.
+    #: Training counts as stalled when status.json has not moved on for this long, seconds
+    #: (counted from the last progress). Job file: ``limits.stall_timeout`` (a duration).
     stall_timeout_s: float | None = None
-    #: Stop the job once the box has cost this much (USD); needs ``price_usd_per_hour`` > 0.
+    #: Stop the job once the box has cost this much (USD), counted from the agent's first boot
+    #: for this job at ``price_usd_per_hour``; needs ``price_usd_per_hour`` > 0.
     budget_usd: float | None = None
     #: What the box costs per hour (USD), for the budget and the cost figures; >= 0.
     price_usd_per_hour: float | None = None
@@ -239,7 +203,12 @@ class ServerSection:
     @property
     def loopback(self) -> bool:
         """True when ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``."""
-        return _is_loopback(self.host)
+        return is_loopback(self.host)
+
+
+_SERVER_DEFAULTS = ServerSection()
+#: Default HTTP listen address; 8420 is taken by ``libreyolo monitor``.
+DEFAULT_LISTEN = f"{_SERVER_DEFAULTS.host}:{_SERVER_DEFAULTS.port}"
 
 
 @dataclass(frozen=True)
@@ -270,7 +239,7 @@ class Env:
         e = os.environ if environ is None else environ
         state_dir = Path(e.get("LIBREYOLO_AGENT_STATE_DIR") or DEFAULT_STATE_DIR)
         endpoint = (e.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
-        if _url_scheme(endpoint) not in ("http", "https"):
+        if url_scheme(endpoint) not in ("http", "https"):
             raise ConfigError("HF_ENDPOINT", f"{endpoint!r} is not an http(s) URL")
         hf_home = Path(e["HF_HOME"]) if e.get("HF_HOME") else None
         token = e.get("HF_TOKEN") or None
@@ -299,8 +268,6 @@ class Job:
 
 #: A job file is a few hundred bytes; refuse to read a huge one (or /dev/zero) into memory.
 MAX_JOB_FILE_BYTES = 1 << 20
-#: TOML integers are 64-bit (toml.io: "an error must be thrown" past them); tomllib reads any size.
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: ``[dataset]`` keys that stage a Hub dataset; without any of them the table only sets checks.
 _STAGING_KEYS = ("repo", "file", "revision", "dest", "data_yaml")
 #: LibreYOLO train options that end the command without training: the agent would read the
@@ -309,233 +276,16 @@ _NON_TRAINING_KEYS = {
     "dry_run": "validates the options and exits without training",
     "help_json": "prints the option list and exits without training",
 }
-
-
-class _Table:
-    """Reads one TOML table, remembering which keys were consumed so the rest can be refused."""
-
-    def __init__(self, name: str, data: object) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(name, f"{_show(data)} must be a table ([{name}])")
-        self.name = name
-        self.data: dict[str, Any] = data
-        self.used: set[str] = set()
-
-    def key(self, k: str) -> str:
-        return f"{self.name}.{k}"
-
-    def _get(self, k: str, required: bool) -> Any:
-        self.used.add(k)
-        if k not in self.data:
-            if required:
-                raise ConfigError(self.key(k), "is required but missing")
-            return None
-        return self.data[k]
-
-    def str_(self, k: str, default: str | None = None, *, required: bool = False) -> str | None:
-        """A non-empty string of printable characters (names, paths, URLs, choices)."""
-        v = self._get(k, required)
-        if v is None:
-            return default
-        if not isinstance(v, str):
-            raise ConfigError(self.key(k), f"{_show(v)} is not a string")
-        if not v.strip():
-            raise ConfigError(self.key(k), f"{_show(v)} must not be empty")
-        _refuse_unprintable(self.key(k), v)
-        return v
-
-    def req_str(self, k: str) -> str:
-        v = self.str_(k, required=True)
-        assert v is not None
-        return v
-
-    def bool_(self, k: str, default: bool) -> bool:
-        v = self._get(k, False)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise ConfigError(self.key(k), f"{_show(v)} is not a boolean (true or false)")
-        return v
-
-    def number(
-        self, k: str, default: float | None, *, minimum: float = 0.0, strict: bool = False
-    ) -> float | None:
-        v = self._get(k, False)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise ConfigError(self.key(k), f"{_show(v)} is not a number")
-        try:
-            finite = math.isfinite(float(v))
-        except OverflowError:
-            finite = False
-        if not finite:
-            raise ConfigError(self.key(k), f"{_show(v)} is not a finite number")
-        if v < minimum or (strict and v == minimum):
-            rel = ">" if strict else ">="
-            raise ConfigError(self.key(k), f"{_show(v)} must be {rel} {minimum:g}")
-        return float(v)
-
-    def int_(self, k: str, default: int, *, minimum: int) -> int:
-        v = self._get(k, False)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(self.key(k), f"{_show(v)} is not an integer")
-        if v < minimum:
-            raise ConfigError(self.key(k), f"{_show(v)} must be >= {minimum}")
-        return v
-
-    def duration(self, k: str) -> float | None:
-        v = self._get(k, False)
-        return None if v is None else parse_duration(self.key(k), v)
-
-    def choice(self, k: str, default: str, choices: tuple[str, ...]) -> str:
-        v = self.str_(k, default)
-        assert v is not None
-        if v not in choices:
-            raise ConfigError(self.key(k), f"{_show(v)} is not one of {', '.join(choices)}")
-        return v
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.data) - self.used)
-        if unknown:
-            k = unknown[0]
-            expected = ", ".join(sorted(self.used))
-            raise ConfigError(self.key(k), f"unknown key (expected one of: {expected})")
-
-
-def _url_scheme(url: str) -> str | None:
-    try:
-        return urlsplit(url).scheme
-    except ValueError:
-        return None
-
-
-def _show(value: object) -> str:
-    """``repr`` cut to 60 characters: control characters come out escaped."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's str() digit limit (hexadecimal TOML reads fine)
-        assert isinstance(value, int)
-        text = f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _printable(text: str) -> str:
-    """``text`` with every unprintable character escaped as ``repr`` does: one safe line."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-
-
-def _refuse_unprintable(key: str, value: str, *, lax: bool = False) -> None:
-    """Refuse NUL, control characters, line breaks and (unless ``lax``) invisible ones.
-
-    Strict is for names, paths, repo ids and URLs, where such a character is always a mistake
-    (or a spoof: U+202E reverses the text shown). ``lax`` is for ``[train]`` values, passed on
-    as one command-line argument each: only control characters and line breaks are refused."""
-    for i, ch in enumerate(value):
-        bad = unicodedata.category(ch) in ("Cc", "Zl", "Zp") if lax else not ch.isprintable()
-        if bad:
-            what = "a NUL character" if ch == "\x00" else f"the unprintable character {ch!a}"
-            expected = "a single line of text" if lax else "printable text"
-            raise ConfigError(
-                key, f"{_show(value)} contains {what} at position {i}; expected {expected}"
-            )
-
-
-def _check_document(doc: Mapping[str, Any]) -> None:
-    """Refuse, anywhere in the document, what no setting can use and later code trips over:
-    NUL in a key or a string (it ends C strings: paths and argv fail at every restart) and an
-    integer beyond TOML's 64-bit range (``str()`` of it may raise)."""
-    for k in doc:
-        if "\x00" in str(k):
-            raise ConfigError(str(k), "the name contains a NUL character")
-    stack: list[tuple[str, object]] = [(str(k), v) for k, v in reversed(list(doc.items()))]
-    while stack:
-        key, value = stack.pop()
-        if isinstance(value, str):
-            if "\x00" in value:
-                i = value.index("\x00")
-                raise ConfigError(key, f"{_show(value)} contains a NUL character at position {i}")
-        elif isinstance(value, int) and not isinstance(value, bool):
-            if not _INT64_MIN <= value <= _INT64_MAX:
-                raise ConfigError(key, f"{_show(value)} is outside TOML's 64-bit integer range")
-        elif isinstance(value, Mapping):
-            for k in value:
-                if "\x00" in str(k):
-                    raise ConfigError(f"{key}.{k}", "the key contains a NUL character")
-            stack.extend((f"{key}.{k}", v) for k, v in reversed(list(value.items())))
-        elif isinstance(value, list | tuple):
-            stack.extend((f"{key}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-
-
-#: A Hub repo id part (namespace or name), as ``huggingface_hub.utils.validate_repo_id`` checks
-#: it (``REPO_ID_REGEX``, ASCII): 1-96 of ``[A-Za-z0-9_.-]``, not starting or ending with ``-``
-#: or ``.``.
-_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
-
-
-def repo_id_problem(repo_id: str) -> str | None:
-    """Why ``repo_id`` is not a Hub ``namespace/name`` repo id, or None when it is one.
-
-    Mirrors ``huggingface_hub.utils.validate_repo_id`` (importing the library costs the agent's
-    start-up a few hundred ms) plus the namespace the agent needs."""
-    parts = repo_id.split("/")
-    if len(parts) != 2:
-        return "must be namespace/name, with exactly one '/'"
-    if not all(_REPO_PART.fullmatch(p) for p in parts):
-        hint = " ('@revision' is not part of a repo id)" if "@" in repo_id else ""
-        return (
-            "may use only letters, digits, '-', '_' and '.', not start or end either part with "
-            f"'-' or '.', and have at most 96 characters per part{hint}"
-        )
-    if "--" in repo_id or ".." in repo_id:
-        return "must not contain '--' or '..'"
-    if repo_id.endswith(".git"):
-        return "must not end in '.git'"
-    return None
-
-
-def _check_inside(key: str, value: str, where: str) -> None:
-    """``value`` is a relative path that stays inside ``where`` (no ``..``, not absolute)."""
-    if value.startswith(("/", "~")) or ".." in value.replace("\\", "/").split("/"):
-        raise ConfigError(key, f"{_show(value)} must be a relative path inside {where}")
-
-
-def _check_revision(key: str, value: str) -> None:
-    if any(ch.isspace() for ch in value):
-        raise ConfigError(key, f"{_show(value)} must be a branch, tag or commit (no spaces)")
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 _PROVIDERS = ("none",)
 _PLANNED_PROVIDERS = ("vast", "runpod", "lambda", "command")
 _ACTIONS = ("destroy", "stop", "keep")
-_SECTIONS = (
-    "job",
-    "train",
-    "dataset",
-    "sync",
-    "limits",
-    "teardown",
-    "server",
-    "preflight",
-)
+_SECTIONS = ("job", "train", "dataset", "sync", "limits", "teardown", "server", "preflight")
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
     """Read and validate a job file, ``[train]`` keys included against the installed LibreYOLO;
-    raises :class:`ConfigError` and nothing else, whatever the file holds."""
+    raises :class:`ConfigError` (:class:`ConfigErrors` for several mistakes) and nothing else,
+    whatever the file holds."""
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -555,15 +305,22 @@ def load_job(path: str | os.PathLike[str]) -> Job:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ConfigError(str(p), "the job file is not UTF-8 text") from None
-    job = parse_job(text, source=str(p), base_dir=base_dir)
-    check_train_options(job.train, installed_train_options())
-    return job
+    return parse_job(
+        text, source=str(p), base_dir=base_dir, train_options=installed_train_options()
+    )
 
 
-def parse_job(text: str, *, source: str = "<string>", base_dir: Path | None = None) -> Job:
+def parse_job(
+    text: str,
+    *,
+    source: str = "<string>",
+    base_dir: Path | None = None,
+    train_options: TrainOptions | None = None,
+) -> Job:
     """Parse TOML text into a :class:`Job`. Relative paths are resolved against ``base_dir``.
 
-    ``[train]`` keys are not checked against LibreYOLO here (``load_job`` does it)."""
+    ``[train]`` keys are checked against ``train_options`` when given (``load_job`` gives the
+    installed LibreYOLO's)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -573,160 +330,158 @@ def parse_job(text: str, *, source: str = "<string>", base_dir: Path | None = No
     except ValueError as exc:
         # tomllib converts a decimal integer with int(), which refuses more than 4,300 digits
         # with a plain ValueError (https://docs.python.org/3/library/stdtypes.html#int-max-str-digits).
-        raise ConfigError(source, f"not valid TOML: {_huge_integer(text) or exc}") from None
-    return job_from_dict(doc, source=source, base_dir=base_dir)
-
-
-def _huge_integer(text: str) -> str | None:
-    limit = sys.get_int_max_str_digits() or 4300
-    for m in re.finditer(rf"[0-9_]{{{limit + 1},}}", text):
-        if len(m.group().replace("_", "")) > limit:
-            line = text.count("\n", 0, m.start()) + 1
-            return (
-                f"the integer at line {line} has more than {limit} digits "
-                "(TOML integers are 64-bit: at most 19 digits)"
-            )
-    return None
+        raise ConfigError(source, f"not valid TOML: {huge_integer_problem(text) or exc}") from None
+    return job_from_dict(doc, source=source, base_dir=base_dir, train_options=train_options)
 
 
 def job_from_dict(
-    doc: Mapping[str, Any], *, source: str = "<dict>", base_dir: Path | None = None
+    doc: Mapping[str, Any],
+    *,
+    source: str = "<dict>",
+    base_dir: Path | None = None,
+    train_options: TrainOptions | None = None,
 ) -> Job:
-    """Validate a parsed job document into a :class:`Job` (see :func:`parse_job`)."""
-    base = base_dir or Path.cwd()
+    """Validate a parsed job document into a :class:`Job` (see :func:`parse_job`).
 
-    def path(value: str, key: str = "path") -> Path:
+    Every mistake is collected, at most one per key, and raised together. A NUL character or an
+    integer outside TOML's range is reported alone first: later checks could trip over it."""
+    base = base_dir or Path.cwd()
+    errors = ErrorList()
+    check_document(doc, errors)
+    errors.raise_if_any()
+
+    def path(value: str, key: str) -> Path:
         try:
             p = Path(value).expanduser()
         except RuntimeError:  # "~nosuchuser/..."
-            raise ConfigError(key, f"{value!r}: cannot expand '~' (no such user)") from None
+            errors.add(ConfigError(key, f"{value!r}: cannot expand '~' (no such user)"))
+            p = Path(value)
         return p if p.is_absolute() else (base / p)
 
-    _check_document(doc)
-    unknown = sorted(set(doc) - set(_SECTIONS))
-    if unknown:
-        raise ConfigError(
-            unknown[0] or repr(unknown[0]),
-            f"unknown section (expected one of: {', '.join(_SECTIONS)})",
+    for name in sorted(set(doc) - set(_SECTIONS)):
+        errors.add(
+            ConfigError(
+                name or repr(name), f"unknown section (expected one of: {', '.join(_SECTIONS)})"
+            )
         )
 
-    t = _Table("job", doc.get("job", {}))
-    name = t.str_("name", "run1")
-    assert name is not None
+    t = Table("job", doc.get("job", {}), errors)
+    d_job = JobSection()
+    name = t.str_("name", d_job.name) or d_job.name
     if "/" in name or name in (".", ".."):
-        raise ConfigError("job.name", f"{name!r} must be a plain name, not a path")
-    if len(name.encode()) > 200:
+        t.bad("name", f"{name!r} must be a plain name, not a path")
+    elif len(name.encode()) > 200:
         # LibreYOLO makes a directory of it (plus a number when it exists): 255 bytes at most.
-        raise ConfigError("job.name", f"{_show(name)} is longer than 200 bytes")
+        t.bad("name", f"{show(name)} is longer than 200 bytes")
     job_section = JobSection(
         name=name,
-        runs_dir=path(t.str_("runs_dir", "runs") or "runs", "job.runs_dir"),
-        stop_trainer_on_exit=t.bool_("stop_trainer_on_exit", False),
+        runs_dir=path(t.str_("runs_dir") or str(d_job.runs_dir), "job.runs_dir"),
+        stop_trainer_on_exit=t.bool_("stop_trainer_on_exit", d_job.stop_trainer_on_exit),
     )
     t.finish()
 
     dataset: DatasetSection | None = None
     data_check = DataCheckSection()
     if "dataset" in doc:
-        t = _Table("dataset", doc["dataset"])
+        t = Table("dataset", doc["dataset"], errors)
         data_check = DataCheckSection(
-            doctor=t.bool_("doctor", True),
-            allow_outside_paths=t.bool_("allow_outside_paths", False),
+            doctor=t.bool_("doctor", data_check.doctor),
+            allow_outside_paths=t.bool_("allow_outside_paths", data_check.allow_outside_paths),
         )
         if any(k in t.data for k in _STAGING_KEYS):
-            repo = t.req_str("repo")
-            problem = repo_id_problem(repo)
-            if problem:
-                raise ConfigError("dataset.repo", f"{_show(repo)} is not a Hub repo id: {problem}")
-            file = t.req_str("file")
-            _check_inside("dataset.file", file, "the dataset repo")
-            revision = t.str_("revision", "main") or "main"
-            _check_revision("dataset.revision", revision)
-            data_yaml = t.str_("data_yaml")
-            if data_yaml is not None:
-                _check_inside("dataset.data_yaml", data_yaml, "dataset.dest")
-            dataset = DatasetSection(
-                repo=repo,
-                file=file,
-                revision=revision,
-                dest=path(t.str_("dest", "data") or "data", "dataset.dest"),
-                doctor=data_check.doctor,
-                data_yaml=data_yaml,
-            )
+            dataset = _load_staging(t, data_check, path)
         else:
             t.used.update(_STAGING_KEYS)  # listed as expected keys in an unknown key's message
         t.finish()
 
-    train = _load_train(doc.get("train"), dataset, base)
+    train = _load_train(doc.get("train"), dataset, base, errors)
+    if train_options is not None:
+        with errors.catch():
+            check_train_options(train, train_options)
 
     sync: SyncSection | None = None
     if "sync" in doc:
-        t = _Table("sync", doc["sync"])
+        t = Table("sync", doc["sync"], errors)
         target = t.req_str("target")
-        _check_sync_target(target)
+        if target is not None:
+            with errors.catch():
+                check_sync_target("sync.target", target)
+        d_sync = SyncSection(target="")
         sync = SyncSection(
-            target=target,
-            every_epochs=t.int_("every_epochs", 1, minimum=1),
-            private=t.bool_("private", True),
-            upload_timeout_s=t.duration("upload_timeout") or 600.0,
-            max_backoff_s=t.duration("max_backoff") or 300.0,
-            finish_timeout_s=t.duration("finish_timeout") or 1800.0,
+            target=target or "",
+            every_epochs=t.int_("every_epochs", d_sync.every_epochs, minimum=1),
+            private=t.bool_("private", d_sync.private),
+            upload_timeout_s=t.duration("upload_timeout", d_sync.upload_timeout_s),
+            max_backoff_s=t.duration("max_backoff", d_sync.max_backoff_s),
+            finish_timeout_s=t.duration("finish_timeout", d_sync.finish_timeout_s),
         )
         t.finish()
 
-    t = _Table("limits", doc.get("limits", {}))
+    t = Table("limits", doc.get("limits", {}), errors)
+    d_limits = LimitsSection()
     limits = LimitsSection(
-        max_runtime_s=t.duration("max_runtime"),
-        stall_timeout_s=t.duration("stall_timeout"),
-        budget_usd=t.number("budget_usd", None, strict=True),
-        price_usd_per_hour=t.number("price_usd_per_hour", None),
+        max_runtime_s=t.duration("max_runtime", d_limits.max_runtime_s),
+        stall_timeout_s=t.duration("stall_timeout", d_limits.stall_timeout_s),
+        budget_usd=t.number("budget_usd", d_limits.budget_usd, strict=True),
+        price_usd_per_hour=t.number("price_usd_per_hour", d_limits.price_usd_per_hour),
     )
     t.finish()
     if limits.budget_usd is not None and not limits.price_usd_per_hour:
         price = limits.price_usd_per_hour
-        raise ConfigError(
-            "limits.price_usd_per_hour",
+        t.bad(
+            "price_usd_per_hour",
             ("is missing" if price is None else f"{price:g} is too low")
             + f": budget_usd needs price_usd_per_hour > 0 (budget_usd = {limits.budget_usd:g}); "
             "without a price the budget never stops the job",
         )
 
-    t = _Table("teardown", doc.get("teardown", {}))
-    provider = t.str_("provider", "none") or "none"
+    t = Table("teardown", doc.get("teardown", {}), errors)
+    d_teardown = TeardownSection()
+    provider = t.str_("provider", d_teardown.provider) or d_teardown.provider
     if provider in _PLANNED_PROVIDERS:
-        raise ConfigError(
-            "teardown.provider",
+        t.bad(
+            "provider",
             f"{provider!r} is not built yet in this version; use 'none' "
             "(the agent then records the action it would take)",
         )
-    if provider not in _PROVIDERS:
-        raise ConfigError(
-            "teardown.provider",
-            f"{_show(provider)} is not one of {', '.join(_PROVIDERS + _PLANNED_PROVIDERS)}",
+    elif provider not in _PROVIDERS:
+        t.bad(
+            "provider",
+            f"{show(provider)} is not one of {', '.join(_PROVIDERS + _PLANNED_PROVIDERS)}",
         )
     teardown = TeardownSection(
         provider=provider,
-        on_success=t.choice("on_success", "destroy", _ACTIONS),
-        on_failure=t.choice("on_failure", "stop", _ACTIONS),
-        on_preflight_failure=t.choice("on_preflight_failure", "destroy", _ACTIONS),
-        require_verified_sync=t.bool_("require_verified_sync", True),
+        on_success=t.choice("on_success", d_teardown.on_success, _ACTIONS),
+        on_failure=t.choice("on_failure", d_teardown.on_failure, _ACTIONS),
+        on_preflight_failure=t.choice(
+            "on_preflight_failure", d_teardown.on_preflight_failure, _ACTIONS
+        ),
+        require_verified_sync=t.bool_("require_verified_sync", d_teardown.require_verified_sync),
     )
     t.finish()
 
-    t = _Table("server", doc.get("server", {}))
+    t = Table("server", doc.get("server", {}), errors)
+    server = ServerSection()
     listen = t.str_("listen", DEFAULT_LISTEN) or DEFAULT_LISTEN
-    server = _parse_listen(listen, allow_remote=t.bool_("allow_remote", False))
+    allow_remote = t.bool_("allow_remote", server.allow_remote)
+    with errors.catch():
+        # A wrong allow_remote is already reported: do not add "not loopback" as its echo.
+        remote_ok = allow_remote or errors.named("server.allow_remote")
+        host, port = parse_listen("server.listen", listen, allow_remote=remote_ok)
+        server = ServerSection(host=host, port=port, allow_remote=allow_remote)
     t.finish()
 
-    t = _Table("preflight", doc.get("preflight", {}))
+    t = Table("preflight", doc.get("preflight", {}), errors)
+    d_pre = PreflightSection()
     preflight = PreflightSection(
-        enabled=t.bool_("enabled", True),
-        allow_cpu=t.bool_("allow_cpu", False),
-        timeout_s=t.duration("timeout") or 120.0,
-        deep_import=t.bool_("deep_import", False),
+        enabled=t.bool_("enabled", d_pre.enabled),
+        allow_cpu=t.bool_("allow_cpu", d_pre.allow_cpu),
+        timeout_s=t.duration("timeout", d_pre.timeout_s),
+        deep_import=t.bool_("deep_import", d_pre.deep_import),
     )
     t.finish()
 
+    errors.raise_if_any()
     return Job(
         job=job_section,
         train=train,
@@ -741,69 +496,83 @@ def job_from_dict(
     )
 
 
-def _check_sync_target(target: str) -> None:
-    try:
-        parsed = urlsplit(target)
-    except ValueError as exc:  # e.g. an unbalanced '[' reads as a broken IPv6 host
-        raise ConfigError("sync.target", f"{_show(target)} is not a valid URL ({exc})") from None
-    if parsed.scheme == "file":
-        if not parsed.path.startswith("/") or parsed.netloc:
-            raise ConfigError(
-                "sync.target", f"{_show(target)} must be an absolute file:///path (three slashes)"
-            )
-        if "?" in target or "#" in target:
-            # urlsplit would cut the path there: the checkpoints would land in another folder.
-            raise ConfigError(
-                "sync.target", f"{_show(target)}: a file:/// path cannot contain '?' or '#'"
-            )
-    elif parsed.scheme == "hf":
-        _, sep, rest = target.partition("://")
-        repo = rest.rstrip("/") if sep else ""
+def _load_staging(
+    t: Table, data_check: DataCheckSection, path: Callable[[str, str], Path]
+) -> DatasetSection:
+    """The ``[dataset]`` table's staging keys (``repo`` and ``file`` required)."""
+    d = DatasetSection(repo="", file="")
+    repo = t.req_str("repo")
+    if repo is not None:
         problem = repo_id_problem(repo)
         if problem:
-            raise ConfigError(
-                "sync.target",
-                f"{_show(target)} must be hf://namespace/name, a Hub repo id that {problem}",
-            )
-    else:
-        raise ConfigError(
-            "sync.target",
-            f"{_show(target)} must start with file:/// or hf:// (got {parsed.scheme!r})",
-        )
+            t.bad("repo", f"{show(repo)} is not a Hub repo id: {problem}")
+    file = t.req_str("file")
+    if file is not None:
+        with t.errors.catch():
+            check_inside("dataset.file", file, "the dataset repo")
+    revision = t.str_("revision", d.revision) or d.revision
+    with t.errors.catch():
+        check_revision("dataset.revision", revision)
+    data_yaml = t.str_("data_yaml", d.data_yaml)
+    if data_yaml is not None:
+        with t.errors.catch():
+            check_inside("dataset.data_yaml", data_yaml, "dataset.dest")
+    return DatasetSection(
+        repo=repo or "",
+        file=file or "",
+        revision=revision,
+        dest=path(t.str_("dest") or str(d.dest), "dataset.dest"),
+        doctor=data_check.doctor,
+        data_yaml=data_yaml,
+    )
 
 
-def _load_train(raw: object, dataset: DatasetSection | None, base: Path) -> TrainSection:
+def _load_train(
+    raw: object, dataset: DatasetSection | None, base: Path, errors: ErrorList
+) -> TrainSection:
+    defaults = TrainSection()
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError("train", f"{_show(raw)} must be a table ([train])")
+        errors.add(ConfigError("train", f"{show(raw)} must be a table ([train])"))
+        return defaults
     args: list[tuple[str, TrainValue]] = []
-    stop_grace = 60.0
-    kill_grace = 10.0
+    stop_grace = defaults.stop_grace_s
+    kill_grace = defaults.kill_grace_s
     for k, v in raw.items():
         key = f"train.{k}"
-        if k == "stop_grace":
-            stop_grace = parse_duration(key, v)
-            continue
-        if k == "kill_grace":
-            kill_grace = parse_duration(key, v)
+        if k in ("stop_grace", "kill_grace"):
+            with errors.catch():
+                seconds = parse_duration(key, v)
+                if k == "stop_grace":
+                    stop_grace = seconds
+                else:
+                    kill_grace = seconds
             continue
         if k in RESERVED_TRAIN_KEYS:
-            raise ConfigError(
-                key,
-                "is set by the agent; use job.name / job.runs_dir instead"
-                if k != "json"
-                else "is set by the agent (it always reads LibreYOLO's json result)",
+            errors.add(
+                ConfigError(
+                    key,
+                    "is set by the agent; use job.name / job.runs_dir instead"
+                    if k != "json"
+                    else "is set by the agent (it always reads LibreYOLO's json result)",
+                )
             )
-        if k in _NON_TRAINING_KEYS:
-            raise ConfigError(
-                key, f"{_NON_TRAINING_KEYS[k]}; the agent would read that as a finished run"
+        elif k in _NON_TRAINING_KEYS:
+            errors.add(
+                ConfigError(
+                    key, f"{_NON_TRAINING_KEYS[k]}; the agent would read that as a finished run"
+                )
             )
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-            raise ConfigError(key, "is not a valid LibreYOLO option name")
-        if isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
+        elif not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            errors.add(ConfigError(key, "is not a valid LibreYOLO option name"))
+        elif isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
             if isinstance(v, str):
-                _refuse_unprintable(key, v, lax=True)
+                try:
+                    refuse_unprintable(key, v, lax=True)
+                except ConfigError as exc:
+                    errors.add(exc)
+                    continue
             if k in _PATH_TRAIN_KEYS and isinstance(v, str) and not Path(v).is_absolute():
                 # The trainer runs in runs_dir: a file beside the job file is made absolute,
                 # while names LibreYOLO resolves itself ("coco8.yaml", "yolox-n") stay as given.
@@ -812,31 +581,35 @@ def _load_train(raw: object, dataset: DatasetSection | None, base: Path) -> Trai
                         v = str(base / v)
             args.append((k, v))
         else:
-            raise ConfigError(key, f"{_show(v)} must be a string, number or boolean")
-    section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
-    if section.get("data") is None:
-        if dataset is None or dataset.data_yaml is None:
-            raise ConfigError(
-                "train.data",
-                "is required (the dataset YAML), or set dataset.data_yaml to take it from the "
-                "staged dataset",
+            errors.add(ConfigError(key, f"{show(v)} must be a string, number or boolean"))
+    if not any(k == "data" for k, _ in args) and not errors.named("train.data"):
+        if dataset is not None and dataset.data_yaml is not None:
+            args.append(("data", str(dataset.dest / dataset.data_yaml)))
+        elif not errors.named("dataset", "dataset.data_yaml"):
+            errors.add(
+                ConfigError(
+                    "train.data",
+                    "is required (the dataset YAML), or set dataset.data_yaml to take it from "
+                    "the staged dataset",
+                )
             )
-        args.append(("data", str(dataset.dest / dataset.data_yaml)))
-        section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
+    section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
     epochs = section.get("epochs")
     if epochs is not None and (
         isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
     ):
-        raise ConfigError("train.epochs", f"{_show(epochs)} must be an integer >= 1")
+        errors.add(ConfigError("train.epochs", f"{show(epochs)} must be an integer >= 1"))
     return section
 
 
 def check_train_options(train: TrainSection, options: TrainOptions) -> None:
-    """Refuse a ``[train]`` key that the installed LibreYOLO's ``train`` command does not have,
-    naming the closest valid ones; nothing to check (no error) when ``options`` are unknown,
-    e.g. an agent-only install. The agent's own ``stop_grace``/``kill_grace`` never get here."""
+    """Refuse every ``[train]`` key that the installed LibreYOLO's ``train`` command does not
+    have, naming the closest valid ones (one :class:`ConfigError`, or :class:`ConfigErrors` for
+    several); nothing to check (no error) when ``options`` are unknown, e.g. an agent-only
+    install. The agent's own ``stop_grace``/``kill_grace`` never get here."""
     if not options.available:
         return
+    errors = ErrorList()
     for k, v in train.args:
         if k in options.names:
             continue
@@ -846,62 +619,11 @@ def check_train_options(train: TrainSection, options: TrainOptions) -> None:
             if close
             else "`libreyolo train --help` lists them"
         )
-        raise ConfigError(
-            f"train.{k}",
-            f"unknown option (value {_show(v)}): `libreyolo train` of {options.label} has no "
-            f"{k!r}; {hint}",
+        errors.add(
+            ConfigError(
+                f"train.{k}",
+                f"unknown option (value {show(v)}): `libreyolo train` of {options.label} has no "
+                f"{k!r}; {hint}",
+            )
         )
-
-
-_HOSTNAME = re.compile(
-    r"(?=.{1,253}\.?$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
-)
-
-
-def _parse_listen(listen: str, *, allow_remote: bool) -> ServerSection:
-    expected = f"host:port (e.g. {DEFAULT_LISTEN!r}, '[::1]:8421')"
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
-        raise ConfigError("server.listen", f"{_show(listen)} is not {expected}")
-    # Length first: int() of a 5,000-digit text raises ValueError.
-    if len(port_text) > 5 or int(port_text) > 65535:
-        raise ConfigError("server.listen", f"{_show(listen)}: the port must be 0 to 65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ConfigError(
-                "server.listen", f"{_show(listen)}: {host!r} in brackets is not an IPv6 address"
-            ) from None
-    elif host == "*":
-        raise ConfigError(
-            "server.listen",
-            f"{_show(listen)}: '*' is not a host; to listen on every interface write "
-            "0.0.0.0:PORT (or [::]:PORT) and set server.allow_remote = true",
-        )
-    elif ":" in host:
-        raise ConfigError(
-            "server.listen", f"{_show(listen)}: write an IPv6 address in brackets ([::1]:8421)"
-        )
-    elif not _HOSTNAME.fullmatch(host) or (host.replace(".", "").isdigit() and not _is_ipv4(host)):
-        raise ConfigError(
-            "server.listen", f"{_show(listen)}: {host!r} is not an IP address or host name"
-        )
-    if not allow_remote and not _is_loopback(host):
-        raise ConfigError(
-            "server.listen",
-            f"{_show(listen)} is not a loopback address (127.0.0.1, [::1], localhost): anyone "
-            "who can reach it could read /status. Reach the agent through an SSH tunnel, or "
-            "set server.allow_remote = true",
-        )
-    return ServerSection(host=host, port=int(port_text), allow_remote=allow_remote)
-
-
-def _is_ipv4(host: str) -> bool:
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return False
-    return True
+    errors.raise_if_any()

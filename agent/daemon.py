@@ -358,6 +358,9 @@ class Daemon:
         assert self.flags is not None
         flags = self.flags
         launched_at = self.clock()
+        # The stall clock starts with this agent's supervision, not at its construction: a long
+        # staging (or a restart) must not count as a stalled trainer.
+        self._last_progress_at = launched_at
         if self.state.trainer is not None:
             launched_at = self.state.trainer.started_at
             self.trainer = self.launcher.attach(self.state.trainer)

@@ -1,8 +1,9 @@
-"""Deadlines the agent enforces on the training phase: wall clock, stall, cost budget.
+"""Deadlines the agent enforces while training runs: wall clock, stall, cost budget.
 
-Pure functions of the clock, so the tricky timing is tested in milliseconds. The clock starts at
-the agent's first boot for this job (persisted in state.json), so a restarted agent does not
-hand out a fresh allowance.
+Pure functions of the clock, so the tricky timing is tested in milliseconds. ``max_runtime`` and
+the budget are counted from the agent's first boot for this job (``job_started_at``: persisted in
+state.json, so a restarted agent does not hand out a fresh allowance, and preflight and staging
+count); the stall timeout from the last progress of the run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class Breach:
 def check_limits(
     cfg: LimitsSection, *, now: float, job_started_at: float, last_progress_at: float
 ) -> Breach | None:
-    """The first limit that ``now`` breaks, or None."""
+    """The first limit that ``now`` breaks, or None. ``job_started_at`` is the agent's first
+    boot for this job; ``last_progress_at`` the last time status.json moved on."""
     elapsed = now - job_started_at
     if cfg.max_runtime_s is not None and elapsed >= cfg.max_runtime_s:
         return Breach(

@@ -15,7 +15,68 @@ now() { date +%s.%N; }
   libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 
-only="${1:-all}"   # all | reattach
+only="${1:-all}"   # all | reattach | issue8
+
+if [ "$only" = issue8 ]; then
+# Issue 8 on the GPU: (1) agent CPU while a stopped trainer winds down (it busy-looped: 26.5 s of
+# CPU in a 47 s life); (2) trainer exit -> DONE without a redundant re-upload; (3) an agent
+# SIGKILLed right after the launch never starts a second trainer.
+echo "== issue 8: agent CPU during a stop, exit -> DONE, kill right after launch" | tee "$OUT/issue8.txt"
+python3 -c 'from pathlib import Path; from agent import demo; demo.make_dataset(Path("/tmp/i8/data"))'
+cat > /tmp/i8/job.toml <<TOML
+[job]
+name = "gpu-i8"
+runs_dir = "/tmp/i8/runs"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "/tmp/i8/data/data.yaml"
+epochs = 300
+imgsz = 64
+batch = 4
+workers = 2
+device = "0"
+save_period = 5
+stop_grace = "60s"
+[sync]
+target = "file:///tmp/i8/synced"
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:8423"
+TOML
+export LIBREYOLO_AGENT_STATE_DIR=/tmp/i8/state
+LIBREYOLO_AGENT_CRASHPOINT=after-launch python3 -m agent.cli run /tmp/i8/job.toml > /tmp/i8/agent0.log 2>&1
+echo "agent with crashpoint after-launch exit $? (137 = SIGKILLed as planned)" >> "$OUT/issue8.txt"
+python3 -m agent.cli run /tmp/i8/job.toml > /tmp/i8/agent1.log 2>&1 &
+a1=$!
+for _ in $(seq 1 240); do
+  e=$(agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null)
+  [ "${e:-0}" -ge 6 ] && break; sleep 0.5
+done
+cpu() { python3 -c "import psutil,sys; t=psutil.Process($a1).cpu_times(); print(f'{t.user+t.system:.2f}')"; }
+c0=$(cpu); t0=$(now)
+# The trainer is paused so the stop grace really runs (a hung trainer ignoring SIGINT).
+tp=$(python3 -c 'import json; print(json.load(open("/tmp/i8/state/state.json"))["trainer"]["pid"])')
+kill -STOP "$tp"; agent stop >> "$OUT/issue8.txt" 2>&1; sleep 10
+c1=$(cpu); t1=$(now); kill -CONT "$tp"
+wait $a1; echo "agent exit $?" >> "$OUT/issue8.txt"
+python3 -c "print(f'agent CPU over {$t1-$t0:.1f} s of stop grace: {$c1-$c0:.2f} s (busy loop would be ~{$t1-$t0:.0f} s)')" | tee -a "$OUT/issue8.txt"
+python3 - >> "$OUT/issue8.txt" <<'PY'
+import json
+s = json.load(open("/tmp/i8/state/state.json"))
+t = {h["to"]: h["at"] for h in s["history"] if "to" in h}
+print("reason", s["reason"], "| outcome", s["outcome"]["kind"], "| trainer pid", s["trainer"]["pid"])
+print(f"FINISHING -> DONE: {t['DONE'] - t['FINISHING']:.2f} s")
+adopted = sum("adopted trainer" in line for line in open("/tmp/i8/agent1.log"))
+started = sum("trainer started" in line for line in open("/tmp/i8/agent0.log"))
+print(f"trainers started: {started} (first agent, killed after launch); adopted by the second: {adopted}")
+PY
+grep -c "uploaded+verified weights/last.pt" /tmp/i8/agent1.log | sed 's/^/last.pt uploads: /' >> "$OUT/issue8.txt"
+ls /tmp/i8/runs >> "$OUT/issue8.txt"
+cp /tmp/i8/agent1.log "$OUT/issue8-agent.log"
+exit 0
+fi
 if [ "$only" = all ]; then
 bare='import torch; a = torch.randn(2000, 2000, device="cuda"); b = a @ a; torch.cuda.synchronize(); print(float(b.abs().sum()))'
 echo "== timing: bare recipe vs preflight, alternated (first bare run warms the file cache)" | tee "$OUT/timing.txt"

@@ -226,3 +226,26 @@ def test_the_job_clock_is_the_injected_clock(tmp_path: Path) -> None:
     # One clock for everything compared: the job's start comes from it, not from time.time().
     daemon, _, _, clock = make(tmp_path)
     assert daemon.state.started_at == clock.now
+
+
+def test_a_long_staging_does_not_count_as_a_stall(tmp_path: Path) -> None:
+    # Seen in review: the stall clock started when the Daemon was built, so a staging longer
+    # than stall_timeout ended the job as "stalled" before the trainer wrote anything.
+    daemon, trainer, _, clock = make(tmp_path, 'stall_timeout = "10m"')
+
+    def slow_staging() -> None:
+        clock.now += 3600.0  # an hour of download
+
+    daemon.stage_hook = slow_staging
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        await started(daemon)
+        await asyncio.sleep(0.2)
+        assert not trainer.stops
+        write_status(trainer.run_dir, "completed", 10)
+        trainer.exit(0)
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()) == 0
+    assert daemon.state.reason == Reason.COMPLETED

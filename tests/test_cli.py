@@ -1,0 +1,284 @@
+"""The command line, run as a real process: what a user types and reads, and the exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.cli import build_parser
+from agent.state import Phase, Reason, RunState, StateStore
+
+MINIMAL = '[train]\ndata = "/data/set/data.yaml"\n'
+#: Three independent mistakes in three sections.
+THREE_MISTAKES = (
+    f'{MINIMAL}[sync]\ntarget = "file:///mnt/backup/run1"\nevery_epochs = 0\n'
+    '[limits]\nmax_runtime = "12x"\n'
+    '[teardown]\non_success = "explode"\n'
+)
+PREFIX = "libreyolo-agent: error: "
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``libreyolo-agent ARGS`` in ``tmp_path``, its state directory ``tmp_path/state``."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+
+
+def write_job(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """stderr as error lines, each without the common prefix; no traceback allowed."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert all(line.startswith(PREFIX) for line in lines), proc.stderr
+    return [line[len(PREFIX) :] for line in lines]
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections: bound (so nothing else takes it), not listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# A bad job file: every mistake at once
+
+
+def test_check_reports_three_mistakes_at_once_one_line_each(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "check", str(write_job(tmp_path, THREE_MISTAKES)))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = error_lines(proc)
+    assert len(lines) == 3, proc.stderr
+    # Each names the key, the value and what was expected; section by section.
+    assert lines[0].startswith("sync.every_epochs: 0 must be >= 1")
+    assert lines[1].startswith("limits.max_runtime: '12x' is not a duration like")
+    assert lines[2].startswith("teardown.on_success: 'explode' is not one of destroy, stop, keep")
+
+
+def test_run_with_a_bad_job_prints_every_mistake_and_starts_nothing(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "run", str(write_job(tmp_path, THREE_MISTAKES)))
+    assert proc.returncode == 2, proc.stderr
+    keys = [line.split(":", 1)[0] for line in error_lines(proc)]
+    assert keys == ["sync.every_epochs", "limits.max_runtime", "teardown.on_success"]
+    assert not (tmp_path / "state").exists()  # no agent started
+
+
+def test_preflight_with_a_bad_job_prints_every_mistake(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "preflight", str(write_job(tmp_path, THREE_MISTAKES)))
+    assert proc.returncode == 2, proc.stderr
+    assert len(error_lines(proc)) == 3
+
+
+def test_check_of_a_file_that_is_not_toml_is_one_line(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "check", str(write_job(tmp_path, "[train\n")))
+    assert proc.returncode == 2
+    (line,) = error_lines(proc)
+    assert "not valid TOML" in line
+
+
+# --------------------------------------------------------------------------------------------
+# Help
+
+
+def test_run_help_names_the_exit_codes_and_the_environment(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "run", "--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "exit codes:" in out
+    for code, meaning in (("0", "ended as planned"), ("1", "agent failed"), ("2", "bad")):
+        assert any(
+            line.strip().startswith(code) and meaning in line for line in out.splitlines()
+        ), (code, out)
+    for variable in ("LIBREYOLO_AGENT_STATE_DIR", "HF_TOKEN", "HF_ENDPOINT", "HF_HOME"):
+        assert variable in out
+    assert "demo job only" in out
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("no subcommands")
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    parser = build_parser()
+    missing = [
+        f"{name} {action.dest}"
+        for name, sub in {"": parser, **_subcommands(parser)}.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._SubParsersAction)
+        and (not action.help or action.help == argparse.SUPPRESS)
+    ]
+    assert missing == []
+
+
+# --------------------------------------------------------------------------------------------
+# Options a job file makes meaningless
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--port", "9000"], ["--port"]),
+        (["--demo-dir", "elsewhere"], ["--demo-dir"]),
+        (["--demo-dir", "elsewhere", "--port", "9000"], ["--port", "--demo-dir"]),
+    ],
+)
+def test_demo_only_options_with_a_job_are_refused(
+    tmp_path: Path, options: list[str], named: list[str]
+) -> None:
+    job = write_job(tmp_path, MINIMAL)
+    proc = cli(tmp_path, "run", str(job), *options)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert [line.split(" ", 1)[0] for line in lines] == named
+    assert all("applies to the demo job only" in line for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]  # nothing started
+
+
+# --------------------------------------------------------------------------------------------
+# status and stop without an agent
+
+
+TEARDOWN = {"provider": "none", "action": "destroy", "detail": "would destroy the box"}
+
+
+def save_state(
+    state_dir: Path,
+    phase: Phase,
+    port: int,
+    *,
+    reason: Reason | None = None,
+    cause: str | None = None,
+    teardown: dict[str, Any] | None = None,
+) -> Path:
+    """A state file as the agent writes it, its server on ``port``."""
+    store = StateStore(state_dir)
+    store.ensure()
+    state = RunState(
+        job_name="run1",
+        job_source="job.toml",
+        phase=phase,
+        reason=reason,
+        cause=cause,
+        server={"host": "127.0.0.1", "port": port},
+        teardown=teardown,
+    )
+    store.save(state)
+    return store.state_path
+
+
+def test_status_with_no_agent_and_no_state_is_one_clear_line(
+    tmp_path: Path, refusing_port: int
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    url = f"http://127.0.0.1:{refusing_port}"
+    proc = cli(tmp_path, "status", "--state-dir", str(state_dir), "--url", url)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert line.startswith(f"no agent is running (nothing answers on {url}: connection refused)")
+    assert f"{state_dir} has no readable state.json" in line and "urlopen" not in line
+    # --url alone: the state directory is not asked, the URL is named.
+    proc = cli(tmp_path, "status", "--url", f"http://127.0.0.1:{refusing_port}")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)" in line
+
+
+def test_status_of_a_job_that_has_not_ended_says_the_agent_is_down(
+    tmp_path: Path, refusing_port: int
+) -> None:
+    save_state(tmp_path / "state", Phase.TRAINING, refusing_port)
+    proc = cli(tmp_path, "status")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert f"nothing answers on http://127.0.0.1:{refusing_port}: connection refused" in line
+    assert "says TRAINING: the job has not ended" in line and "urlopen" not in line
+
+
+def test_status_after_the_job_ended_answers_from_the_state_file(
+    tmp_path: Path, refusing_port: int
+) -> None:
+    path = save_state(
+        tmp_path / "state",
+        Phase.DONE,
+        refusing_port,
+        reason=Reason.COMPLETED,
+        cause="trainer completed: 3/3 epochs",
+        teardown=TEARDOWN,
+    )
+    proc = cli(tmp_path, "status")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = proc.stdout.splitlines()
+    assert out[0] == f"no agent is running; this is the record of an ended job, from {path}:"
+    rows = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in out[1:]}
+    assert rows["job"] == "run1" and rows["phase"] == "DONE"
+    assert rows["reason"] == "completed"
+    assert rows["cause"] == "trainer completed: 3/3 epochs"
+    assert rows["teardown"] == "would destroy the box"
+
+
+def test_status_json_after_the_job_ended_is_the_state_files_record(
+    tmp_path: Path, refusing_port: int
+) -> None:
+    path = save_state(
+        tmp_path / "state",
+        Phase.FAILED,
+        refusing_port,
+        reason=Reason.AGENT_FAILED,
+        cause="crash loop",
+        teardown=TEARDOWN,
+    )
+    proc = cli(tmp_path, "status", "--json", "--watch")  # --watch: an ended job ends the watch
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["source"] == "state_file" and record["state_file"] == str(path)
+    assert record["ended"] is True and record["agent_running"] is False
+    assert (record["phase"], record["reason"], record["cause"]) == (
+        "FAILED",
+        "agent_failed",
+        "crash loop",
+    )
+    assert record["teardown"]["action"] == "destroy"
+
+
+def test_stop_with_no_agent_is_one_clear_line(tmp_path: Path, refusing_port: int) -> None:
+    save_state(tmp_path / "state", Phase.TRAINING, refusing_port)
+    (tmp_path / "state" / "token").write_text("t\n", encoding="utf-8")
+    proc = cli(tmp_path, "stop")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
