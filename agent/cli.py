@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import sys
 import time
@@ -54,16 +53,7 @@ def _err(message: str) -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
-    root = logging.getLogger("agent")
-    for old in root.handlers:
-        logutil.uninstall(old)
-    root.handlers[:] = [handler]
-    # Repeated warnings (an outage, a flood of accept errors) are rate-limited, not repeated.
-    logutil.install(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    root.propagate = False
+    logutil.configure_console(verbose)
 
 
 def _load(path: str) -> Job:

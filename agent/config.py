@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 from urllib.parse import urlsplit
 
 from .jobvalues import ConfigError as ConfigError
@@ -54,6 +54,18 @@ TrainValue = str | int | float | bool
 
 # --------------------------------------------------------------------------------------------
 # Sections
+
+
+#: What happens to the box at the end: ``destroy`` (billing ends, disk gone), ``stop`` (the
+#: disk survives for cents an hour), ``keep`` (the box stays up).
+TeardownAction = Literal["destroy", "stop", "keep"]
+
+
+def as_action(value: str) -> TeardownAction:
+    """``value`` as a :data:`TeardownAction` (a state file or job file read it as a string)."""
+    if value in get_args(TeardownAction):
+        return cast(TeardownAction, value)
+    raise ValueError(f"not a teardown action: {value!r}")
 
 
 @dataclass(frozen=True)
@@ -177,11 +189,11 @@ class TeardownSection:
     #: ``none`` only records what it would do. Cloud providers land in their own issue.
     provider: str = "none"
     #: What to do with the box when training completed: ``destroy``, ``stop`` or ``keep``.
-    on_success: str = "destroy"
+    on_success: TeardownAction = "destroy"
     #: What to do after any other outcome (the box holds checkpoints: keep its disk).
-    on_failure: str = "stop"
+    on_failure: TeardownAction = "stop"
     #: What to do when preflight (or staging) failed: nothing was trained, the box is bad.
-    on_preflight_failure: str = "destroy"
+    on_preflight_failure: TeardownAction = "destroy"
     #: Never destroy or stop the box unless every checkpoint upload was verified.
     require_verified_sync: bool = True
 
@@ -278,7 +290,7 @@ _NON_TRAINING_KEYS = {
 }
 _PROVIDERS = ("none",)
 _PLANNED_PROVIDERS = ("vast", "runpod", "lambda", "command")
-_ACTIONS = ("destroy", "stop", "keep")
+_ACTIONS: tuple[TeardownAction, ...] = get_args(TeardownAction)
 _SECTIONS = ("job", "train", "dataset", "sync", "limits", "teardown", "server", "preflight")
 
 
@@ -451,10 +463,10 @@ def job_from_dict(
         )
     teardown = TeardownSection(
         provider=provider,
-        on_success=t.choice("on_success", d_teardown.on_success, _ACTIONS),
-        on_failure=t.choice("on_failure", d_teardown.on_failure, _ACTIONS),
-        on_preflight_failure=t.choice(
-            "on_preflight_failure", d_teardown.on_preflight_failure, _ACTIONS
+        on_success=as_action(t.choice("on_success", d_teardown.on_success, _ACTIONS)),
+        on_failure=as_action(t.choice("on_failure", d_teardown.on_failure, _ACTIONS)),
+        on_preflight_failure=as_action(
+            t.choice("on_preflight_failure", d_teardown.on_preflight_failure, _ACTIONS)
         ),
         require_verified_sync=t.bool_("require_verified_sync", d_teardown.require_verified_sync),
     )

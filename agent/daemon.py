@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import logutil, restart, staging, teardown
-from .config import Env, Job, TeardownSection
+from .config import Env, Job, TeardownAction, TeardownSection, as_action
 from .crashpoints import crashpoint
 from .limits import check_limits
 from .providers import Provider, TeardownResult, make_provider
@@ -153,26 +153,19 @@ class Daemon:
             os.close(lock)
             self._remove_signal_handlers()
             raise
-        agent_log = logging.getLogger("agent")
-        agent_log.addHandler(file_handler)
-        logutil.install(file_handler)
         # 1,024 descriptors (a common default) ran out under a flood of idle connections.
         logutil.raise_fd_limit()
-        # agent.log is the record a person reads after the fact: always at INFO.
-        if agent_log.getEffectiveLevel() > logging.INFO:
-            agent_log.setLevel(logging.INFO)
         try:
-            return await self._run()
-        except AgentError:
-            raise
-        except Exception as exc:
-            log.exception("agent crashed in phase %s", self.state.phase.value)
-            self._record_crash(exc)
-            raise
+            with logutil.to_file(file_handler):
+                try:
+                    return await self._run()
+                except AgentError:
+                    raise
+                except Exception as exc:
+                    log.exception("agent crashed in phase %s", self.state.phase.value)
+                    self._record_crash(exc)
+                    raise
         finally:
-            logutil.uninstall(file_handler)
-            agent_log.removeHandler(file_handler)
-            file_handler.close()
             os.close(lock)
             self._remove_signal_handlers()
 
@@ -634,7 +627,7 @@ class Daemon:
         if resumed and record is not None and record.get("action"):
             # A previous agent decided (and maybe sent) this already: the decision stands, and
             # the provider is asked where things are before anything is sent again.
-            action = str(record["action"])
+            action = as_action(str(record["action"]))
             log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
             if record.get("confirmed"):
                 result = TeardownResult(
@@ -665,7 +658,7 @@ class Daemon:
         )
         return 0
 
-    def _teardown_action(self, reason: Reason) -> tuple[str, str]:
+    def _teardown_action(self, reason: Reason) -> tuple[TeardownAction, str]:
         verified = bool(
             self.sync and self.sync.verify_result and self.sync.verify_result.sync_verified
         )

@@ -10,12 +10,14 @@ to that handler. :func:`raise_fd_limit` lifts ``RLIMIT_NOFILE`` to the hard limi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("agent.logutil")
@@ -187,3 +189,37 @@ def raise_fd_limit(cap: int = FD_LIMIT_CAP) -> int:
                 problem,
             )
     return new
+
+
+# --------------------------------------------------------------------------------------------
+# The one place logging is configured: the console (the CLI) and agent.log (the daemon).
+
+
+def configure_console(verbose: bool) -> None:
+    """The ``agent`` loggers to stderr, short lines, repeated warnings rate-limited."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("agent")
+    for old in root.handlers:
+        uninstall(old)
+    root.handlers[:] = [handler]
+    install(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+@contextlib.contextmanager
+def to_file(handler: logging.Handler) -> Iterator[None]:
+    """agent.log for the life of a daemon run: the record a person reads after the fact, so
+    always at INFO or finer, with the same rate limit as the console."""
+    agent_log = logging.getLogger("agent")
+    agent_log.addHandler(handler)
+    install(handler)
+    if agent_log.getEffectiveLevel() > logging.INFO:
+        agent_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        uninstall(handler)
+        agent_log.removeHandler(handler)
+        handler.close()

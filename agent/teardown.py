@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
 
-from .config import JobSection, TeardownSection
+from .config import JobSection, TeardownAction, TeardownSection
 from .state import Reason, RunState
 
 
 @dataclass(frozen=True)
 class Decision:
-    #: destroy | stop | keep
-    action: str
+    action: TeardownAction
     #: One line for state.json, /status and the log.
     why: str
 

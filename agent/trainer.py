@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,8 +30,28 @@ from .state import TrainerRecord
 
 log = logging.getLogger("agent.trainer")
 
+
+class OutcomeKind(str, Enum):
+    COMPLETED = "completed"  #: trained all its epochs
+    INTERRUPTED = "interrupted"  #: stopped with SIGINT (LibreYOLO's clean stop)
+    OOM = "oom"  #: out of memory (CUDA or host)
+    RUNTIME = "runtime"  #: any other error while training (exit 1)
+    CONFIG = "config"  #: LibreYOLO refused an option (exit 2)
+    DATA = "data"  #: the dataset is broken (exit 3)
+    MODEL = "model"  #: the model could not be built or loaded (exit 4)
+    KILLED = "killed"  #: a signal ended it (SIGKILL, the OOM killer, a stop that escalated)
+    LOST = "lost"  #: it is gone and left no status.json to tell how
+
+
 #: LibreYOLO CLI exit codes (1.6.0).
-EXIT_KINDS = {0: "completed", 1: "runtime", 2: "config", 3: "data", 4: "model", 130: "interrupted"}
+EXIT_KINDS = {
+    0: OutcomeKind.COMPLETED,
+    1: OutcomeKind.RUNTIME,
+    2: OutcomeKind.CONFIG,
+    3: OutcomeKind.DATA,
+    4: OutcomeKind.MODEL,
+    130: OutcomeKind.INTERRUPTED,
+}
 
 
 class TrainerError(Exception):
@@ -76,19 +97,18 @@ def build_argv(job: Job, *, python: str = sys.executable) -> list[str]:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How the trainer ended. ``kind`` is one of: completed, interrupted, oom, runtime, config,
-    data, model, killed, lost."""
+    """How the trainer ended."""
 
-    kind: str
+    kind: OutcomeKind
     exit_code: int | None
     message: str
 
     @property
     def completed(self) -> bool:
-        return self.kind == "completed"
+        return self.kind == OutcomeKind.COMPLETED
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "exit_code": self.exit_code, "message": self.message}
+        return {"kind": self.kind.value, "exit_code": self.exit_code, "message": self.message}
 
 
 def read_result(path: Path) -> dict[str, Any] | None:
@@ -135,16 +155,16 @@ def classify(
     if exit_code is None:
         # Not our child: status.json is all there is.
         if status is None:
-            return Outcome("lost", None, "trainer exited and left no status.json")
+            return Outcome(OutcomeKind.LOST, None, "trainer exited and left no status.json")
         if status.state == "completed":
-            return Outcome("completed", None, "status.json says completed")
+            return Outcome(OutcomeKind.COMPLETED, None, "status.json says completed")
         if err_type == "KeyboardInterrupt":
-            return Outcome("interrupted", None, "stopped with SIGINT")
+            return Outcome(OutcomeKind.INTERRUPTED, None, "stopped with SIGINT")
         if status.state == "failed":
-            kind = "oom" if _is_oom(err_type, err_msg) else "runtime"
+            kind = OutcomeKind.OOM if _is_oom(err_type, err_msg) else OutcomeKind.RUNTIME
             return Outcome(kind, None, f"{err_type}: {err_msg}")
         return Outcome(
-            "killed",
+            OutcomeKind.KILLED,
             None,
             f"trainer died without a word at epoch {status.completed_epochs}"
             " (status.json still says running: killed by a signal or the OOM killer?)",
@@ -152,23 +172,23 @@ def classify(
 
     if exit_code == 0:
         if status is not None and status.state == "failed":
-            return Outcome("runtime", 0, message or "status.json says failed")
-        return Outcome("completed", 0, "training completed")
+            return Outcome(OutcomeKind.RUNTIME, 0, message or "status.json says failed")
+        return Outcome(OutcomeKind.COMPLETED, 0, "training completed")
     if exit_code == -signal.SIGINT and err_type == "KeyboardInterrupt":
         # A Python trainer that lets KeyboardInterrupt escape dies *by* SIGINT, not with 130.
-        return Outcome("interrupted", exit_code, "stopped with SIGINT")
+        return Outcome(OutcomeKind.INTERRUPTED, exit_code, "stopped with SIGINT")
     if exit_code < 0:
         sig = -exit_code
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         if stop_requested:
-            return Outcome("killed", exit_code, f"killed by {name} after a stop request")
+            return Outcome(OutcomeKind.KILLED, exit_code, f"killed by {name} after a stop request")
         hint = " (the kernel OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ""
-        return Outcome("killed", exit_code, f"killed by {name}{hint}")
+        return Outcome(OutcomeKind.KILLED, exit_code, f"killed by {name}{hint}")
     if exit_code == 130 or err_type == "KeyboardInterrupt":
-        return Outcome("interrupted", exit_code, "stopped with SIGINT")
+        return Outcome(OutcomeKind.INTERRUPTED, exit_code, "stopped with SIGINT")
     if exit_code == 1 and _is_oom(err_type, err_msg, res_err, res_msg):
-        return Outcome("oom", 1, message or "CUDA out of memory")
-    kind = EXIT_KINDS.get(exit_code, "runtime")
+        return Outcome(OutcomeKind.OOM, 1, message or "CUDA out of memory")
+    kind = EXIT_KINDS.get(exit_code, OutcomeKind.RUNTIME)
     suggestion = str(result.get("suggestion")) if result and result.get("suggestion") else ""
     text = message or f"exit code {exit_code}"
     if suggestion:

@@ -21,6 +21,7 @@ from agent.rundir import RunStatus, effective_state, pid_alive, read_status
 from agent.state import TrainerRecord
 from agent.trainer import (
     Outcome,
+    OutcomeKind,
     Trainer,
     TrainerError,
     classify,
@@ -132,7 +133,7 @@ def test_classify_reattached_running_says_it_died_at_its_epoch() -> None:
 
 
 def test_outcome_to_dict() -> None:
-    assert Outcome("oom", 1, "m").to_dict() == {"kind": "oom", "exit_code": 1, "message": "m"}
+    assert Outcome(OutcomeKind.OOM, 1, "m").to_dict() == {"kind": "oom", "exit_code": 1, "message": "m"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import TeardownSection
+from ..config import TeardownAction, TeardownSection
 
 
 @dataclass(frozen=True)
 class TeardownResult:
-    #: destroy | stop | keep (what was asked), and whether it really happened.
-    action: str
+    #: What was asked, and whether it really happened.
+    action: TeardownAction
     performed: bool
     confirmed: bool
     detail: str
@@ -33,10 +33,10 @@ class TeardownResult:
 class Provider(Protocol):
     name: str
 
-    async def teardown(self, action: str, reason: str) -> TeardownResult:
+    async def teardown(self, action: TeardownAction, reason: str) -> TeardownResult:
         """Carry out ``action`` (destroy | stop | keep) and read back that it took effect."""
 
-    async def read_back(self, action: str) -> TeardownResult | None:
+    async def read_back(self, action: TeardownAction) -> TeardownResult | None:
         """Where the box stands, before a restarted agent sends ``action`` again: a confirmed
         result when it already took effect, None when unknown or not yet done."""
 
