@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from . import logutil, restart, staging, teardown
-from .config import Env, Job, TeardownAction, TeardownSection, as_action
+from .config import Env, Job, TeardownAction, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits
-from .providers import Provider, TeardownResult, make_provider
+from .providers import Provider, make_provider
 from .rundir import (
     RunStatus,
     RunWatcher,
@@ -574,34 +574,16 @@ class Daemon:
             self.status = read_status(self.run_dir) or self.status
         self._save()
         clean = bool(self.state.outcome and self.state.outcome.get("kind") == "completed")
-        await self.sync.final(self.run_dir, self.status, self._agent_files(), clean_exit=clean)
-        self.sync.retry_now()
-        crashpoint("finishing")
-        timeout = self.job.sync.finish_timeout_s
-        drain = asyncio.ensure_future(self.sync.drain(timeout))
-        exiting = asyncio.ensure_future(self.flags.shutdown.wait())
-        await asyncio.wait({drain, exiting}, return_when=asyncio.FIRST_COMPLETED)
-        exiting.cancel()
-        if not drain.done():
-            drain.cancel()
-            log.info("agent exiting during the final sync; a restarted agent finishes it")
-            return False
-        if not drain.result():
-            log.error("final sync did not finish within %.0fs", timeout)
-        # "Verified" means what is on disk is on the target, not only what the ledger promised.
-        result = await self.sync.verify_all(
-            self.run_dir, completed_epochs=self.status.completed_epochs if self.status else None
+        finished = await self.sync.finish(
+            self.run_dir,
+            self.status,
+            self._agent_files(),
+            clean_exit=clean,
+            timeout_s=self.job.sync.finish_timeout_s,
+            exiting=self.flags.shutdown,
         )
-        if result.sync_verified:
-            log.info(
-                "sync verified: %d file(s) match on %s", result.checked, self.sync.sink.description
-            )
-        else:
-            log.error(
-                "sync NOT verified: %d problem(s): %s",
-                len(result.missing),
-                "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
-            )
+        if not finished:
+            return False  # state.json still says FINISHING: the next agent carries on
         self._save()
         return True
 
@@ -623,19 +605,8 @@ class Daemon:
         self._save()
         provider = self.provider_factory(self.job.teardown)
         record = self.state.teardown
-        result: TeardownResult | None = None
-        if resumed and record is not None and record.get("action"):
-            # A previous agent decided (and maybe sent) this already: the decision stands, and
-            # the provider is asked where things are before anything is sent again.
-            action = as_action(str(record["action"]))
-            log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
-            if record.get("confirmed"):
-                result = TeardownResult(
-                    action, bool(record.get("performed")), True, str(record.get("detail", ""))
-                )
-            else:
-                result = await provider.read_back(action)
-        else:
+        resumed = resumed and record is not None and bool(record.get("action"))
+        if not resumed or record is None:
             action, why = self._teardown_action(reason)
             self.state.teardown = record = {
                 "provider": provider.name,
@@ -644,9 +615,7 @@ class Daemon:
                 "started_at": self.clock(),
             }
             self._save(required=True)  # irreversible steps are recorded as started first
-        if result is None:
-            crashpoint("teardown-sending")
-            result = await provider.teardown(action, reason.value)
+        result = await teardown.carry_out(provider, record, reason, resumed=resumed)
         record.update(result.to_dict())
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE

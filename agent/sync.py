@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import SyncSection
+from .crashpoints import crashpoint
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
 from .rundir import SMALL_FILES, RunStatus, epoch_snapshots
 from .sinks import RemoteFile, Sink, SinkError
@@ -452,6 +453,45 @@ class SyncEngine:
         return files
 
     # ---------------------------------------------------------------- verification
+
+    async def finish(
+        self,
+        run_dir: Path | None,
+        status: RunStatus | None,
+        extra_files: Iterable[Path],
+        *,
+        clean_exit: bool,
+        timeout_s: float,
+        exiting: asyncio.Event,
+    ) -> bool:
+        """FINISHING: queue everything, wait for it (at most ``timeout_s``), then verify that
+        what is on disk is on the target (not only what the ledger promised). False when
+        ``exiting`` was set first: the final sync is left to a restarted agent."""
+        await self.final(run_dir, status, extra_files, clean_exit=clean_exit)
+        self.retry_now()
+        crashpoint("finishing")
+        drain = asyncio.ensure_future(self.drain(timeout_s))
+        leaving = asyncio.ensure_future(exiting.wait())
+        await asyncio.wait({drain, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        leaving.cancel()
+        if not drain.done():
+            drain.cancel()
+            log.info("agent exiting during the final sync; a restarted agent finishes it")
+            return False
+        if not drain.result():
+            log.error("final sync did not finish within %.0fs", timeout_s)
+        result = await self.verify_all(
+            run_dir, completed_epochs=status.completed_epochs if status else None
+        )
+        if result.sync_verified:
+            log.info("sync verified: %d file(s) match on %s", result.checked, self.sink.description)
+        else:
+            log.error(
+                "sync NOT verified: %d problem(s): %s",
+                len(result.missing),
+                "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
+            )
+        return True
 
     async def verify_all(
         self, run_dir: Path | None = None, *, completed_epochs: int | None = None

@@ -9,12 +9,18 @@ started, no checkpoint of this job on disk - has nothing to save.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
+from typing import Any
 
-from .config import JobSection, TeardownAction, TeardownSection
+from .config import JobSection, TeardownAction, TeardownSection, as_action
+from .crashpoints import crashpoint
+from .providers import Provider, TeardownResult
 from .state import Reason, RunState
+
+log = logging.getLogger("agent.daemon")
 
 
 @dataclass(frozen=True)
@@ -62,3 +68,29 @@ def anything_to_save(state: RunState, run_dir: Path | None, job: JobSection) -> 
         return any(job.runs_dir.glob(f"{glob_escape(job.name)}*/weights/*.pt"))
     except OSError:
         return True  # cannot tell: assume there is
+
+
+async def carry_out(
+    provider: Provider,
+    record: dict[str, Any],
+    reason: Reason,
+    *,
+    resumed: bool,
+) -> TeardownResult:
+    """Send ``record["action"]`` to the provider and read it back. ``resumed``: a previous agent
+    decided (and maybe sent) it already: the decision stands, and the provider is asked where
+    things are before anything is sent again."""
+    action = as_action(str(record["action"]))
+    result: TeardownResult | None = None
+    if resumed:
+        log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
+        if record.get("confirmed"):
+            result = TeardownResult(
+                action, bool(record.get("performed")), True, str(record.get("detail", ""))
+            )
+        else:
+            result = await provider.read_back(action)
+    if result is None:
+        crashpoint("teardown-sending")
+        result = await provider.teardown(action, reason.value)
+    return result

@@ -133,7 +133,11 @@ def test_classify_reattached_running_says_it_died_at_its_epoch() -> None:
 
 
 def test_outcome_to_dict() -> None:
-    assert Outcome(OutcomeKind.OOM, 1, "m").to_dict() == {"kind": "oom", "exit_code": 1, "message": "m"}
+    assert Outcome(OutcomeKind.OOM, 1, "m").to_dict() == {
+        "kind": "oom",
+        "exit_code": 1,
+        "message": "m",
+    }
 
 
 # --------------------------------------------------------------------------------------------
