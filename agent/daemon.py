@@ -13,15 +13,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import logutil, restart, staging, teardown
+from . import logutil, restart, signals, staging, teardown
 from .config import Env, Job, TeardownAction, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits
@@ -33,6 +31,7 @@ from .rundir import (
     read_status,
 )
 from .server import StatusServer
+from .signals import Flags
 from .sinks import Sink, make_sink
 from .state import (
     Phase,
@@ -63,13 +62,6 @@ REPORT_SYNC_TIMEOUT_S = 120.0
 
 class AgentError(Exception):
     """The agent cannot go on (state directory unusable, job/state mismatch...)."""
-
-
-@dataclass
-class Flags:
-    stop_job: asyncio.Event
-    shutdown: asyncio.Event
-    force: asyncio.Event
 
 
 class Daemon:
@@ -129,8 +121,8 @@ class Daemon:
 
     async def run(self, shutdown_trigger: asyncio.Event | None = None) -> int:
         """Run the job to its end (or until the agent is asked to exit). Returns the exit code."""
-        self.flags = Flags(asyncio.Event(), shutdown_trigger or asyncio.Event(), asyncio.Event())
-        self._install_signal_handlers()
+        self.flags = Flags(shutdown=shutdown_trigger or asyncio.Event())
+        signals.install(self.flags)
         try:
             self.store.ensure()
         except OSError as exc:
@@ -151,7 +143,7 @@ class Daemon:
             file_handler = self.store.log_handler()
         except BaseException:
             os.close(lock)
-            self._remove_signal_handlers()
+            signals.remove()
             raise
         # 1,024 descriptors (a common default) ran out under a flood of idle connections.
         logutil.raise_fd_limit()
@@ -167,34 +159,12 @@ class Daemon:
                     raise
         finally:
             os.close(lock)
-            self._remove_signal_handlers()
+            signals.remove()
 
     def _record_crash(self, exc: BaseException) -> None:
         """Count the crash in state.json, so the next agent can tell a crash loop."""
         self.state.crashes.append(restart.crash_record(self.state, exc, self.clock()))
         self._save()
-
-    def _install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self.flags is not None
-        flags = self.flags
-
-        def on_signal(sig: signal.Signals) -> None:
-            # Only set events here; the run loop does the work. A second signal forces.
-            if flags.shutdown.is_set():
-                flags.force.set()
-            flags.shutdown.set()
-
-        # Signals can only be listened to from the main thread.
-        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, on_signal, sig)
-
-    def _remove_signal_handlers(self) -> None:
-        with contextlib.suppress(Exception):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
         try:
@@ -312,23 +282,12 @@ class Daemon:
     async def _preflight(self) -> bool:
         from . import preflight
 
-        report = await preflight.run_preflight(self.job, self.env)
+        report, cause = await preflight.run_and_log(self.job, self.env)
         self.preflight_report = report.to_dict()
         self._write_report("preflight.json", self.preflight_report)
-        for check in report.warnings():
-            log.warning(
-                "preflight warning: %s: %s%s",
-                check.name,
-                check.value,
-                f" (fix: {check.fix})" if check.fix else "",
-            )
-        if report.ok:
-            log.info("preflight passed in %.1fs", report.wall_s)
-            return True
-        failed = ", ".join(f"{c.name} ({c.value})" for c in report.failures())
-        self.state.cause = f"preflight failed: {failed}"
-        log.error("preflight failed: %s", failed)
-        return False
+        if cause is not None:
+            self.state.cause = cause
+        return cause is None
 
     async def _staging(self) -> bool:
         assert self.flags is not None

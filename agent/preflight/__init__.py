@@ -163,12 +163,15 @@ __all__ = [
     "mount_of",
     "parse_device",
     "read_mounts",
+    "run_and_log",
     "run_preflight",
     "unpack_factor",
     "wheel_index",
 ]
 
 log = logging.getLogger(__name__)
+#: Phase messages go to the daemon's log name, as they always did (agent.log is grepped).
+phase_log = logging.getLogger("agent.daemon")
 
 
 async def run_preflight(
@@ -213,3 +216,18 @@ async def run_preflight(
         len(report.warnings()),
     )
     return report
+
+
+async def run_and_log(job: Job, env: Env) -> tuple[PreflightReport, str | None]:
+    """The PREFLIGHT phase: run the checks, log every warning with its fix and the verdict.
+    Returns the report and, when it failed, the one-line cause for the run's record."""
+    report = await run_preflight(job, env)
+    for check in report.warnings():
+        fix = f" (fix: {check.fix})" if check.fix else ""
+        phase_log.warning("preflight warning: %s: %s%s", check.name, check.value, fix)
+    if report.ok:
+        phase_log.info("preflight passed in %.1fs", report.wall_s)
+        return report, None
+    failed = ", ".join(f"{c.name} ({c.value})" for c in report.failures())
+    phase_log.error("preflight failed: %s", failed)
+    return report, f"preflight failed: {failed}"
