@@ -91,7 +91,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if refused:
         return EXIT_CONFIG
 
-    from .daemon import AgentError, Daemon
+    try:
+        from . import hub  # noqa: F401 (refuses a too old huggingface_hub, with the fix)
+        from .daemon import AgentError, Daemon
+    except ImportError as exc:
+        _err(str(exc))
+        return EXIT_FAIL
 
     _setup_logging(args.verbose)
     stage_hook = None
@@ -174,10 +179,16 @@ def _teardown_line(teardown: dict[str, Any] | None) -> str:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from .preflight import format_table, run_preflight
+    try:
+        from . import hub
+        from .preflight import format_table, run_preflight
+    except ImportError as exc:
+        _err(str(exc))
+        return EXIT_FAIL
 
     job = _load(args.job) if args.job else None
     env = Env.from_environ()
+    hub.configure(env)
     report = asyncio.run(run_preflight(job, env))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import logutil, restart, signals, staging, teardown
+from . import hub, logutil, restart, signals, staging, teardown
 from .config import Env, Job, TeardownAction, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits
@@ -167,6 +167,8 @@ class Daemon:
         self._save()
 
     async def _run(self) -> int:
+        # The Hub client's timeouts, once, for staging, sync and everything else.
+        hub.configure(self.env)
         try:
             previous = self.store.load()
         except (ValueError, KeyError, TypeError) as exc:

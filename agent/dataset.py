@@ -31,19 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import hf_hub_download
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    FileMetadataError,
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-
+from agent import hub
 from agent.archive import (
     MAX_EXPANSION_RATIO,
     SUPPORTED_FORMATS,
@@ -365,169 +353,124 @@ def _write_marker(directory: Path, record: Mapping[str, Any]) -> None:
 def _download(ds: DatasetSection, env: Env) -> Path:
     cache_dir = env.hf_home / "hub" if env.hf_home is not None else None
     try:
-        path = hf_hub_download(
-            ds.repo,
-            ds.file,
-            repo_type="dataset",
-            revision=ds.revision,
-            # False, not None: secrets come from the environment only, never from a token file
-            # that happens to lie on the box.
-            token=env.hf_token or False,
-            endpoint=env.hf_endpoint,
-            cache_dir=cache_dir,
+        path = hub.api(env).hf_hub_download(
+            ds.repo, ds.file, repo_type="dataset", revision=ds.revision, cache_dir=cache_dir
         )
     except Exception as exc:
         raise _hub_error(exc, ds, env, cache_dir) from None
-    return Path(path)
+    return Path(str(path))
 
 
 def _hub_error(
     exc: BaseException, ds: DatasetSection, env: Env, cache_dir: Path | None
 ) -> StagingError:
-    """Turn what ``hf_hub_download`` raised into one line that says what to do."""
+    """Turn what the download raised into one line that says what to do (retryable as
+    :func:`agent.hub.classify` decides)."""
     token = env.hf_token
+    failure = hub.classify(exc, token=token)
     repo = f"dataset repo {ds.repo!r}"
     where = env.hf_endpoint
-
-    def err(message: str, retryable: bool = False) -> StagingError:
-        return StagingError(_redact(message, token), retryable=retryable)
-
-    if isinstance(exc, GatedRepoError):
-        if token is None:
-            return err(
+    tokens_url = f"{where}/settings/tokens"
+    match failure.kind:
+        case "gated" if token is None:
+            msg = (
                 f"{repo} on {where} is gated; set HF_TOKEN to a read token of an account that "
                 "was granted access"
             )
-        return err(
-            f"{repo} on {where} is gated and HF_TOKEN's account has no access; request access at "
-            f"{env.hf_endpoint}/datasets/{ds.repo}"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        if token is None:
-            return err(
+        case "gated":
+            msg = (
+                f"{repo} on {where} is gated and HF_TOKEN's account has no access; request "
+                f"access at {where}/datasets/{ds.repo}"
+            )
+        case "missing_repo" if token is None:
+            msg = (
                 f"{repo} was not found on {where}, or it is private and HF_TOKEN is not set; "
                 "check dataset.repo, or set HF_TOKEN to a read token that can see it"
             )
-        return err(
-            f"{repo} was not found on {where}, or HF_TOKEN has no access to it; "
-            "check dataset.repo and the token's permissions"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return err(
-            f"revision {ds.revision!r} was not found in {repo}; check dataset.revision "
-            "(a branch, tag or commit)"
-        )
-    if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):
-        return err(
-            f"file {ds.file!r} was not found in {repo} at revision {ds.revision!r}; check "
-            "dataset.file (the archive's path inside the repo)"
-        )
-    if isinstance(exc, HfHubHTTPError):
-        return _http_error(exc, ds, env)
-    if isinstance(exc, LocalEntryNotFoundError):
-        cause = exc.__cause__
-        if isinstance(cause, OfflineModeIsEnabled):
-            return err(
+        case "missing_repo":
+            msg = (
+                f"{repo} was not found on {where}, or HF_TOKEN has no access to it; "
+                "check dataset.repo and the token's permissions"
+            )
+        case "missing_revision":
+            msg = (
+                f"revision {ds.revision!r} was not found in {repo}; check dataset.revision "
+                "(a branch, tag or commit)"
+            )
+        case "missing_file":
+            msg = (
+                f"file {ds.file!r} was not found in {repo} at revision {ds.revision!r}; check "
+                "dataset.file (the archive's path inside the repo)"
+            )
+        case "unauthorized" if token is None:
+            msg = (
+                f"{where} asks for authentication to read {repo}; set HF_TOKEN to a read token "
+                f"({tokens_url})"
+            )
+        case "unauthorized":
+            msg = (
+                f"HF_TOKEN was rejected by {where} (401); create a read token at {tokens_url} "
+                "and set HF_TOKEN to it"
+            )
+        case "forbidden" if token is None:
+            msg = (
+                f"{where} refused access to {repo} (403); set HF_TOKEN to a read token with access"
+            )
+        case "forbidden":
+            msg = f"HF_TOKEN may not read {repo} (403); use a token with read access ({tokens_url})"
+        case "rate_limited" | "transient":
+            wait = failure.retry_after_s
+            hint = f", it asks to wait {wait:g} s" if wait is not None else ""
+            msg = (
+                f"the Hugging Face Hub at {where} answered {failure.status} for {repo}; it is "
+                f"busy or down{hint} (retryable)"
+            )
+        case "rejected":
+            msg = (
+                f"the Hugging Face Hub at {where} rejected the download of {ds.file!r} of "
+                f"{repo}: {failure.detail}"
+            )
+        case "offline":
+            msg = (
                 f"HF_HUB_OFFLINE is set and {ds.file!r} of {repo} is not in the download cache; "
                 "unset HF_HUB_OFFLINE"
             )
-        if isinstance(cause, FileMetadataError):
-            return err(
-                f"{where} did not answer like a Hugging Face Hub ({_one_line(str(cause), 120)}); "
-                "check HF_ENDPOINT and any proxy"
-            )
-        if isinstance(cause, HfHubHTTPError):
-            return _http_error(cause, ds, env)
-        detail = f"{type(cause).__name__}: {_one_line(str(cause), 120)}" if cause else "no answer"
-        return err(
-            f"cannot reach the Hugging Face Hub at {where} ({detail}); check the box's network "
-            "(retryable)",
-            retryable=True,
-        )
-    if isinstance(exc, HFValidationError):
-        return err(
-            f"invalid dataset settings: {_one_line(str(exc))}; check dataset.repo and dataset.file"
-        )
-    if _is_transport_error(exc):
-        return err(
-            f"network error while downloading {ds.file!r} from {where} ({type(exc).__name__}: "
-            f"{_one_line(str(exc), 120)}); check the box's network (retryable)",
-            retryable=True,
-        )
-    if isinstance(exc, OSError):
-        cache = str(cache_dir) if cache_dir is not None else "the Hugging Face cache"
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return err(
-                f"no space left while downloading {ds.file!r} into {cache}; free disk space or set "
-                "HF_HOME to a bigger volume"
-            )
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return err(
-                f"cannot write the download cache {cache} ({_one_line(str(exc))}); check HF_HOME"
-            )
-        return err(
-            f"download of {ds.file!r} failed ({_one_line(str(exc))}) (retryable)", retryable=True
-        )
-    return err(
-        f"download of {ds.file!r} from {repo} failed: {type(exc).__name__}: {_one_line(str(exc))}"
-    )
-
-
-def _http_error(exc: HfHubHTTPError, ds: DatasetSection, env: Env) -> StagingError:
-    token = env.hf_token
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    repo = f"dataset repo {ds.repo!r}"
-    tokens_url = f"{env.hf_endpoint}/settings/tokens"
-    if status == 401:
-        if token is None:
+        case "not_a_hub":
             msg = (
-                f"{env.hf_endpoint} asks for authentication to read {repo}; set HF_TOKEN to a "
-                f"read token ({tokens_url})"
+                f"{where} did not answer like a Hugging Face Hub ({failure.detail}); check "
+                "HF_ENDPOINT and any proxy"
             )
-        else:
+        case "invalid" if isinstance(failure.cause, ValueError):
+            msg = f"invalid dataset settings: {failure.detail}; check dataset.repo and dataset.file"
+        case "invalid":
             msg = (
-                f"HF_TOKEN was rejected by {env.hf_endpoint} (401); create a read token at "
-                f"{tokens_url} and set HF_TOKEN to it"
+                f"the Hub client refused to send the request ({failure.detail}); check HF_TOKEN "
+                "and HF_ENDPOINT"
             )
-        return StagingError(msg)
-    if status == 403:
-        if token is None:
+        case "unreachable":
             msg = (
-                f"{env.hf_endpoint} refused access to {repo} (403); set HF_TOKEN to a read "
-                "token with access"
+                f"cannot reach the Hugging Face Hub at {where} while downloading {ds.file!r} "
+                f"({failure.detail}); check the box's network (retryable)"
             )
-        else:
-            msg = f"HF_TOKEN may not read {repo} (403); use a token with read access ({tokens_url})"
-        return StagingError(msg)
-    if status in (408, 429) or (isinstance(status, int) and status >= 500):
-        return StagingError(
-            f"the Hugging Face Hub at {env.hf_endpoint} answered {status} for {repo}; it is busy "
-            "or down (retryable)",
-            retryable=True,
+        case "local":
+            msg = _local_error(failure, ds, cache_dir)
+        case _:
+            msg = f"download of {ds.file!r} from {repo} failed: {failure.detail} (retryable)"
+    return StagingError(hub.redact(msg, token), retryable=failure.retryable)
+
+
+def _local_error(failure: hub.HubFailure, ds: DatasetSection, cache_dir: Path | None) -> str:
+    """This machine failed the download (disk, permissions of the download cache)."""
+    cache = str(cache_dir) if cache_dir is not None else "the Hugging Face cache"
+    code = failure.cause.errno if isinstance(failure.cause, OSError) else None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"no space left while downloading {ds.file!r} into {cache}; free disk space or set "
+            "HF_HOME to a bigger volume"
         )
-    detail = _redact(_one_line(str(exc), 160), token)
-    return StagingError(
-        f"the Hugging Face Hub answered {status} for {ds.file!r} of {repo}: {detail}"
-    )
-
-
-def _is_transport_error(exc: BaseException) -> bool:
-    """A connection or timeout error from any HTTP stack the Hub client may use."""
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    for cls in type(exc).__mro__:
-        module = cls.__module__.split(".")[0]
-        if module in ("httpx", "httpx2", "httpcore", "requests", "urllib3") and cls.__name__ in (
-            "TransportError",
-            "TimeoutException",
-            "NetworkError",
-            "ConnectionError",
-            "Timeout",
-            "ProtocolError",
-        ):
-            return True
-    return False
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write the download cache {cache} ({failure.detail}); check HF_HOME"
+    return f"download of {ds.file!r} failed ({failure.detail}) (retryable)"
 
 
 def _commit_from_cache_path(path: Path, filename: str) -> str | None:
@@ -612,15 +555,6 @@ def _listing(dest: Path) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _redact(text: str, token: str | None) -> str:
-    return text.replace(token, "***") if token else text
 
 
 def _fmt_bytes(n: float) -> str:

@@ -373,9 +373,15 @@ def _no_connection() -> LocalEntryNotFoundError:
         (
             _no_connection(),
             True,
-            "cannot reach the Hugging Face Hub at http://hub.test (ConnectError",
+            "cannot reach the Hugging Face Hub at http://hub.test while downloading 'ds.tar' "
+            "(ConnectError",
         ),
-        (httpx2.ReadTimeout("timed out"), True, "network error while downloading 'ds.tar'"),
+        (
+            httpx2.ReadTimeout("timed out"),
+            True,
+            "cannot reach the Hugging Face Hub at http://hub.test while downloading 'ds.tar' "
+            "(ReadTimeout",
+        ),
         (_http_error(503), True, "answered 503 for dataset repo 'org/ds'; it is busy or down"),
         (_http_error(429), True, "answered 429"),
         (_http_error(403), False, "HF_TOKEN may not read dataset repo 'org/ds' (403)"),

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import huggingface_hub
 import pytest
-from huggingface_hub import close_session, get_session
+from huggingface_hub import get_session
 from huggingface_hub.errors import HfHubHTTPError
 
+from agent import hub as agent_hub
 from agent.config import Env
 from agent.sinks import RemoteFile, SinkError, make_sink, sha256_file
-from agent.sinks import hf as hf_sink
 from agent.sinks.hf import HubSink
 from tests.fakes.hub import FakeHub, overlaps, run_fake_hub
 
@@ -26,9 +22,12 @@ GOOD = "hf_write_token_SECRET_1234"
 READ = "hf_read_token_SECRET_5678"
 BAD = "hf_revoked_token_SECRET_9999"
 REPO = "org/run1"
-ROOT = Path(__file__).resolve().parent.parent
-#: Set in the child run of this file on the oldest allowed huggingface_hub (no recursion).
-OLD_HUB_RUN = "LIBREYOLO_AGENT_TEST_OLD_HUB"
+
+
+@pytest.fixture(autouse=True)
+def _configured() -> None:
+    """The daemon sets the Hub client up at start-up, before it builds a sink."""
+    agent_hub.configure()
 
 
 @pytest.fixture
@@ -238,15 +237,12 @@ def test_preupload_5xx_is_retried_inside_the_client(hub: FakeHub, text: Path) ->
     assert [r.status for r in hub.requests if r.route == "preupload"] == [503, 200]
 
 
-def test_hung_hub_times_out_instead_of_blocking_forever(
-    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hung_hub_times_out_instead_of_blocking_forever(hub: FakeHub) -> None:
     s = sink(hub)
-    assert get_session().timeout.read == hf_sink.HTTP_TIMEOUT_S
+    assert get_session().timeout.read == agent_hub.HTTP_TIMEOUT_S
     hub.add_repo("model", REPO)
     hub.delay("paths_info", 5.0)
-    monkeypatch.setattr(hf_sink, "HTTP_TIMEOUT_S", 0.3)
-    close_session()  # the next request builds a client with the short timeout
+    agent_hub.configure(timeout_s=0.3)  # replaces the shared client: the next request uses it
     try:
         started = time.monotonic()
         with pytest.raises(SinkError) as exc:
@@ -255,8 +251,7 @@ def test_hung_hub_times_out_instead_of_blocking_forever(
         assert exc.value.retryable
         assert "Timeout" in str(exc.value)
     finally:
-        monkeypatch.undo()
-        close_session()
+        agent_hub.configure()
 
 
 def test_refuses_paths_outside_the_repo(hub: FakeHub, text: Path) -> None:
@@ -298,107 +293,12 @@ def test_serial_uploads_of_one_path_never_overlap(hub: FakeHub, ckpt: Path) -> N
 
 def test_wrapped_transfer_errors_are_classified_by_their_cause(hub: FakeHub) -> None:
     """LFS/Xet transfers (real Hub only) raise RuntimeError from the HTTP error."""
-    request = hf_sink.hub_http.Request("PUT", f"{hub.url}/lfs/upload")
+    http = agent_hub.hub_http
+    request = http.Request("PUT", f"{hub.url}/lfs/upload")
     for status, retryable in ((403, False), (503, True)):
-        cause = HfHubHTTPError("boom", response=hf_sink.hub_http.Response(status, request=request))
+        cause = HfHubHTTPError("boom", response=http.Response(status, request=request))
         wrapped = RuntimeError("Error while uploading 'w.pt' to the Hub.")
         wrapped.__cause__ = cause
         err = sink(hub)._error("upload of w.pt", wrapped)
         assert err.retryable is retryable
         assert f"HTTP {status}" in str(err)
-
-
-# ---- huggingface_hub versions ------------------------------------------------------------------
-
-
-def test_installed_huggingface_hub_is_accepted() -> None:
-    hf_sink.check_hub_version()
-    assert hf_sink.hub_version_supported(huggingface_hub.__version__)
-    expected = "httpx" if huggingface_hub.__version__.startswith("1.") else "httpx2"
-    assert hf_sink.hub_http.__name__ == expected == type(get_session()).__module__.split(".")[0]
-
-
-@pytest.mark.parametrize(
-    ("version", "supported", "client"),
-    [
-        ("0.36.2", False, "httpx"),
-        ("1.0.0", False, "httpx"),
-        ("1.3.1", False, "httpx"),
-        ("1.3.2", True, "httpx"),
-        ("1.33.0", True, "httpx"),
-        ("2.0.0rc1", True, "httpx2"),
-        ("2.4.0", True, "httpx2"),
-        ("10.0", True, "httpx2"),
-    ],
-)
-def test_version_check_and_http_client_by_version(
-    version: str, supported: bool, client: str
-) -> None:
-    assert hf_sink.hub_version_supported(version) is supported
-    assert hf_sink.http_module_name(version) == client
-    if supported:
-        hf_sink.check_hub_version(version)
-        return
-    with pytest.raises(hf_sink.HubVersionError) as exc:
-        hf_sink.check_hub_version(version)
-    assert isinstance(exc.value, SinkError) and not exc.value.retryable
-    assert f"huggingface_hub {version} is too old" in str(exc.value)
-    assert "pip install 'huggingface_hub>=1.3.2'" in str(exc.value)
-
-
-#: Folder of ``pip install --target`` trees, one per huggingface_hub version (``1.3.2/``,
-#: ``1.3.1/``), prepared by .ci/run before the suite: tests never reach a package index.
-HUB_SITES = "LIBREYOLO_AGENT_HUB_SITES"
-
-
-def _pip_target(tmp: Path, version: str) -> Path:
-    """The prepared tree of ``huggingface_hub==version`` (with its httpx), or skip."""
-    root = os.environ.get(HUB_SITES)
-    site = Path(root) / version if root else None
-    if site is None or not (site / "huggingface_hub").is_dir():
-        pytest.skip(
-            f"no prepared huggingface_hub {version} tree: set {HUB_SITES} (.ci/run does: "
-            f"pip install --no-deps --target DIR/{version} huggingface_hub=={version} "
-            "'httpx>=0.23,<1' httpcore)"
-        )
-    return site
-
-
-def _run_with(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}", **{OLD_HUB_RUN: "1"})
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150
-    )
-
-
-@pytest.mark.skipif(bool(os.environ.get(OLD_HUB_RUN)), reason="already the old-hub run")
-def test_this_file_passes_on_the_oldest_allowed_huggingface_hub(tmp_path: Path) -> None:
-    """huggingface_hub 1.x builds on httpx, not httpx2 (a GPU image shipped 1.33, where this
-    module could not even be imported): the whole file runs again on MIN_HUB_VERSION."""
-    site = _pip_target(tmp_path, hf_sink.MIN_HUB_VERSION)
-    probe = _run_with(
-        site,
-        "-c",
-        "import huggingface_hub, agent.sinks.hf as hf; "
-        "print(huggingface_hub.__version__, hf.hub_http.__name__)",
-    )
-    assert probe.stdout.split() == [hf_sink.MIN_HUB_VERSION, "httpx"], probe.stderr
-    run = _run_with(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.strip().splitlines()[-1]
-    assert int(summary.split(" passed")[0].split()[-1]) >= 30, summary
-
-
-@pytest.mark.skipif(bool(os.environ.get(OLD_HUB_RUN)), reason="already the old-hub run")
-def test_too_old_huggingface_hub_is_refused_with_the_fix(tmp_path: Path) -> None:
-    """1.3.1 would fail every upload to a non-default endpoint after sending it (the fake Hub's
-    is one): refused when hf:// sync is imported, with the fix."""
-    site = _pip_target(tmp_path, "1.3.1")
-    run = _run_with(site, "-c", "import agent.sinks.hf")
-    assert run.returncode == 1
-    last = run.stderr.strip().splitlines()[-1]
-    assert last == (
-        "agent.sinks.hf.HubVersionError: huggingface_hub 1.3.1 is too old for hf:// sync: "
-        "libreyolo-agent needs huggingface_hub>=1.3.2; "
-        "fix: pip install 'huggingface_hub>=1.3.2'"
-    )

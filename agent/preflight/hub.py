@@ -50,35 +50,22 @@ class HubFacts:
     token_error: str | None = None
 
 
-def _redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
-
-
 def _classify_hub_error(
     exc: BaseException, timeout_s: float, token: str | None
 ) -> tuple[HubErrorKind, str]:
-    from huggingface_hub import errors
+    import agent.hub as hub_client
 
     if isinstance(exc, TimeoutError):
         return "unreachable", f"no answer within {timeout_s:.0f} s"
-    # The client's messages run over several lines ("401 Client Error." then the reason).
-    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    text = _redact(text if len(text) <= 200 else text[:197] + "...", token) or type(exc).__name__
-    if isinstance(exc, errors.GatedRepoError):
-        return "gated", text
-    if isinstance(exc, errors.RevisionNotFoundError):
-        return "missing_revision", text
-    if isinstance(exc, errors.RepositoryNotFoundError):
-        return "no_access", text
-    if isinstance(exc, errors.HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            return "no_access", text
-        if status is None or status == 429 or status >= 500:
-            return "unreachable", text
-        return "error", text
-    # Connection refused, DNS, TLS, HF_HUB_OFFLINE: the Hub cannot be asked.
-    return "unreachable", f"{type(exc).__name__}: {text}"
+    # One classifier for the whole agent (agent/hub.py): the same "retryable" everywhere.
+    failure = hub_client.classify(exc, token=token)
+    if failure.kind in ("gated", "missing_revision"):
+        return failure.kind, failure.detail
+    if failure.kind in ("missing_repo", "unauthorized", "forbidden"):
+        return "no_access", failure.detail
+    if failure.retryable or failure.kind == "offline":
+        return "unreachable", failure.detail
+    return "error", failure.detail
 
 
 async def hub_facts(plan: Plan, env: Env, timeout_s: float) -> HubFacts:
@@ -88,11 +75,11 @@ async def hub_facts(plan: Plan, env: Env, timeout_s: float) -> HubFacts:
     needs_token_check = token is not None and (ds is not None or plan.sync_hf_repo is not None)
 
     def dataset_size() -> int | None:
-        from huggingface_hub import HfApi
+        import agent.hub as hub_client
 
         assert ds is not None
-        infos = HfApi(endpoint=env.hf_endpoint).get_paths_info(
-            ds.repo, [ds.file], repo_type="dataset", revision=ds.revision, token=token or False
+        infos = hub_client.api(env).get_paths_info(
+            ds.repo, [ds.file], repo_type="dataset", revision=ds.revision
         )
         for info in infos:
             if info.path == ds.file and hasattr(info, "size"):
@@ -100,9 +87,9 @@ async def hub_facts(plan: Plan, env: Env, timeout_s: float) -> HubFacts:
         return None
 
     def whoami() -> dict[str, Any]:
-        from huggingface_hub import HfApi
+        import agent.hub as hub_client
 
-        return HfApi(endpoint=env.hf_endpoint).whoami(token=token)
+        return hub_client.api(env).whoami()
 
     async def get_dataset() -> tuple[DatasetAccess, int | None, str | None]:
         if ds is None:
