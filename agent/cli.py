@@ -105,6 +105,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.job:
         job = _load(args.job)
         env = Env.from_environ()
+        from . import guard
+
+        guard.check_environ()  # a typo in the guard's variables is exit 2, not a crash
     else:
         demo_root = Path(args.demo_dir or demo.DEMO_DIR).resolve()
         job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)
@@ -122,7 +125,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             # Runs once the demo holds its state directory's lock: never under a running agent.
             demo.reset(demo_root)
 
-    daemon = Daemon(job, env, stage_hook=stage_hook, on_ready=_print_ready, fresh_start=fresh_start)
+    daemon = Daemon(
+        job,
+        env,
+        stage_hook=stage_hook,
+        on_ready=_print_ready,
+        fresh_start=fresh_start,
+        start_guard=bool(args.job),
+    )
     try:
         code = asyncio.run(daemon.run())
     except AgentError as exc:
@@ -384,6 +394,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from . import cost
+
+    names = ("disk_gb", "storage_usd_per_gb_month", "rebuild_usd", "running_usd_per_hour")
+    raw = {name: getattr(args, name) for name in (*names, "gap_hours", "hours_per_month")}
+    report = cost.compute(cost.parse_inputs(raw))  # ConfigError: one line, exit 2 (main)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else cost.format_report(report))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
@@ -454,6 +477,47 @@ def build_parser() -> argparse.ArgumentParser:
                 help="seconds between two reads with --watch (default: 5)",
             )
         s.set_defaults(func=func)
+
+    # Values are read as text and checked by agent/cost.py: a mistake is one line, exit 2.
+    co = sub.add_parser(
+        "cost",
+        help="stop or destroy the box after a run: which is cheaper for a gap",
+        description="What a stopped box costs (its disk: GB x $/GB-month / hours per month), "
+        "the gap at which that equals the cost of destroying it and rebuilding, and, with "
+        "--gap-hours, the verdict. Exit 2 on a bad value.",
+    )
+    co.add_argument(
+        "--disk-gb", metavar="GB", help="the box's allocated disk, GB (required; e.g. 250)"
+    )
+    co.add_argument(
+        "--storage-usd-per-gb-month",
+        metavar="USD",
+        help="the provider's storage price, USD per GB per month (required; e.g. 0.20)",
+    )
+    co.add_argument(
+        "--rebuild-usd",
+        metavar="USD",
+        help="what destroying and coming back costs: setup time at the running price plus "
+        "the dataset's inbound transfer, USD (required; e.g. 1.00)",
+    )
+    co.add_argument(
+        "--running-usd-per-hour",
+        metavar="USD",
+        help="the box's price while running, USD/h (for comparison)",
+    )
+    co.add_argument(
+        "--gap-hours",
+        metavar="HOURS",
+        help="the expected gap before the next run, hours: gives the verdict",
+    )
+    co.add_argument(
+        "--hours-per-month",
+        metavar="HOURS",
+        help="hours in a billing month (default 720, a 30-day month: it matches the measured "
+        "stopped rate; 730 is the average month)",
+    )
+    co.add_argument("--json", action="store_true", help="print the figures as JSON")
+    co.set_defaults(func=cmd_cost)
     return p
 
 

@@ -25,11 +25,13 @@ from .jobvalues import ConfigErrors as ConfigErrors
 from .jobvalues import (
     ErrorList,
     Table,
+    check_api_url,
     check_document,
     check_inside,
     check_revision,
     check_sync_target,
     huge_integer_problem,
+    instance_id_problem,
     is_loopback,
     parse_listen,
     refuse_unprintable,
@@ -59,6 +61,18 @@ TrainValue = str | int | float | bool
 #: What happens to the box at the end: ``destroy`` (billing ends, disk gone), ``stop`` (the
 #: disk survives for cents an hour), ``keep`` (the box stays up).
 TeardownAction = Literal["destroy", "stop", "keep"]
+
+
+#: Who carries out the teardown: a cloud provider's API (``vast``, ``runpod``, ``lambda``), a
+#: command of the job's (``command``) or nobody (``none``: a dry run that records the action).
+ProviderName = Literal["vast", "runpod", "lambda", "command", "none"]
+
+
+def teardown_provider(doc: Mapping[str, Any]) -> str:
+    """The provider a raw job document names (for cross-section checks)."""
+    td = doc.get("teardown")
+    value = td.get("provider", "none") if isinstance(td, dict) else "none"
+    return value if isinstance(value, str) else "none"
 
 
 def as_action(value: str) -> TeardownAction:
@@ -182,12 +196,23 @@ class LimitsSection:
     budget_usd: float | None = None
     #: What the box costs per hour (USD), for the budget and the cost figures; >= 0.
     price_usd_per_hour: float | None = None
+    #: ``price_usd_per_hour = "auto"``: read this instance's real price from the provider
+    #: (Vast's per-instance dollars per hour, RunPod's cost per hour, Lambda's instance type).
+    price_auto: bool = False
+    #: Refuse to train on a box that costs more (USD per hour): preflight fails and the box is
+    #: torn down at once (nothing was trained). Needs a price (given or ``auto``).
+    max_price_usd_per_hour: float | None = None
+    #: What the provider charges for storage (USD per GB-month), for the "stopped, the box
+    #: costs" figure in /status: allocated GB x this / 720 (``libreyolo-agent cost``).
+    storage_usd_per_gb_month: float | None = None
 
 
 @dataclass(frozen=True)
 class TeardownSection:
-    #: ``none`` only records what it would do. Cloud providers land in their own issue.
-    provider: str = "none"
+    #: Who tears the box down: ``vast``, ``runpod``, ``lambda`` (their APIs, keys from the
+    #: environment), ``command`` (``teardown.command``) or ``none`` (default: records the action
+    #: it would take and does nothing).
+    provider: ProviderName = "none"
     #: What to do with the box when training completed: ``destroy``, ``stop`` or ``keep``.
     on_success: TeardownAction = "destroy"
     #: What to do after any other outcome (the box holds checkpoints: keep its disk).
@@ -196,6 +221,35 @@ class TeardownSection:
     on_preflight_failure: TeardownAction = "destroy"
     #: Never destroy or stop the box unless every checkpoint upload was verified.
     require_verified_sync: bool = True
+    #: Base URL of the provider's API, the part before ``/api/v0`` (vast), ``/v2`` (runpod) or
+    #: ``/api/v1`` (lambda), without a trailing ``/``: for proxies, mirrors and tests. Default
+    #: None: the provider's own (``https://console.vast.ai``, ``https://api.runpod.io``,
+    #: ``https://cloud.lambda.ai``).
+    api_url: str | None = None
+    #: This box's instance id at the provider. Default None: from the environment
+    #: (``CONTAINER_ID`` on Vast, ``RUNPOD_POD_ID`` on RunPod) or, on Lambda, the one instance
+    #: of the account whose IP address or host name is this machine's.
+    instance_id: str | None = None
+    #: ``provider = "command"``: the argv that destroys the box, run without a shell (e.g.
+    #: ``["shutdown", "-h", "now"]`` on EC2 with InstanceInitiatedShutdownBehavior=terminate).
+    #: Its exit status is the result: it cannot be read back. Required with that provider.
+    command: tuple[str, ...] = ()
+    #: ``provider = "command"``: the argv that stops the box (its disk survives). Default (): the
+    #: command provider cannot stop, and a stop keeps the box.
+    stop_command: tuple[str, ...] = ()
+    #: Seconds ``command`` / ``stop_command`` may run before they are killed
+    #: (``teardown.command_timeout``, a duration; default 5 minutes).
+    command_timeout_s: float = 300.0
+
+    @property
+    def can_stop(self) -> bool:
+        """Whether this provider can stop the box (keep its disk, end the GPU bill): Lambda has
+        no stop; ``command`` only with a ``stop_command``."""
+        if self.provider == "lambda":
+            return False
+        if self.provider == "command":
+            return bool(self.stop_command)
+        return True
 
 
 @dataclass(frozen=True)
@@ -245,6 +299,19 @@ class Env:
     hf_endpoint: str = DEFAULT_HF_ENDPOINT
     hf_home: Path | None = None
     hf_token: str | None = field(default=None, repr=False)
+    #: Vast: this instance's id (``CONTAINER_ID``, set by Vast in every instance).
+    container_id: str | None = None
+    #: Vast: the per-instance key Vast puts in every instance (``CONTAINER_API_KEY``); it can
+    #: start, stop and destroy that instance only. Preferred over ``vast_api_key``.
+    container_api_key: str | None = field(default=None, repr=False)
+    #: Vast: an account key (``VAST_API_KEY``), used when ``CONTAINER_API_KEY`` is not set.
+    vast_api_key: str | None = field(default=None, repr=False)
+    #: RunPod: this pod's id (``RUNPOD_POD_ID``, set by RunPod in every pod).
+    runpod_pod_id: str | None = None
+    #: RunPod: ``RUNPOD_API_KEY`` (RunPod sets a pod-scoped one in every pod).
+    runpod_api_key: str | None = field(default=None, repr=False)
+    #: Lambda: ``LAMBDA_API_KEY`` (an account key: Lambda puts none on the instance).
+    lambda_api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -255,7 +322,34 @@ class Env:
             raise ConfigError("HF_ENDPOINT", f"{endpoint!r} is not an http(s) URL")
         hf_home = Path(e["HF_HOME"]) if e.get("HF_HOME") else None
         token = e.get("HF_TOKEN") or None
-        return cls(state_dir=state_dir, hf_endpoint=endpoint, hf_home=hf_home, hf_token=token)
+
+        def value(name: str) -> str | None:
+            # A key pasted with its newline would make an invalid HTTP header.
+            return (e.get(name) or "").strip() or None
+
+        return cls(
+            state_dir=state_dir,
+            hf_endpoint=endpoint,
+            hf_home=hf_home,
+            hf_token=token,
+            container_id=value("CONTAINER_ID"),
+            container_api_key=value("CONTAINER_API_KEY"),
+            vast_api_key=value("VAST_API_KEY"),
+            runpod_pod_id=value("RUNPOD_POD_ID"),
+            runpod_api_key=value("RUNPOD_API_KEY"),
+            lambda_api_key=value("LAMBDA_API_KEY"),
+        )
+
+    def secrets(self) -> tuple[tuple[str, str], ...]:
+        """Every secret that is set, as ``(variable, value)``: what messages must redact."""
+        named = (
+            ("HF_TOKEN", self.hf_token),
+            ("CONTAINER_API_KEY", self.container_api_key),
+            ("VAST_API_KEY", self.vast_api_key),
+            ("RUNPOD_API_KEY", self.runpod_api_key),
+            ("LAMBDA_API_KEY", self.lambda_api_key),
+        )
+        return tuple((name, v) for name, v in named if v)
 
 
 @dataclass(frozen=True)
@@ -288,8 +382,15 @@ _NON_TRAINING_KEYS = {
     "dry_run": "validates the options and exits without training",
     "help_json": "prints the option list and exits without training",
 }
-_PROVIDERS = ("none",)
-_PLANNED_PROVIDERS = ("vast", "runpod", "lambda", "command")
+_PROVIDERS: tuple[ProviderName, ...] = get_args(ProviderName)
+#: What each API provider appends to ``teardown.api_url``.
+_API_PATHS = {"vast": "/api/v0", "runpod": "/v2", "lambda": "/api/v1"}
+#: Why a ``stop`` cannot be carried out, for the providers that have none.
+_NO_STOP = {
+    "lambda": "Lambda has no stop: use destroy (gated: an unverified sync keeps the box) or keep",
+    "command": "the command provider stops only with teardown.stop_command: set it, or use "
+    "destroy (gated: an unverified sync keeps the box) or keep",
+}
 _ACTIONS: tuple[TeardownAction, ...] = get_args(TeardownAction)
 _SECTIONS = ("job", "train", "dataset", "sync", "limits", "teardown", "server", "preflight")
 
@@ -431,14 +532,41 @@ def job_from_dict(
 
     t = Table("limits", doc.get("limits", {}), errors)
     d_limits = LimitsSection()
+    price_auto = (
+        doc.get("limits", {}).get("price_usd_per_hour") == "auto"
+        if isinstance(doc.get("limits"), dict)
+        else False
+    )
     limits = LimitsSection(
         max_runtime_s=t.duration("max_runtime", d_limits.max_runtime_s),
         stall_timeout_s=t.duration("stall_timeout", d_limits.stall_timeout_s),
         budget_usd=t.number("budget_usd", d_limits.budget_usd, strict=True),
-        price_usd_per_hour=t.number("price_usd_per_hour", d_limits.price_usd_per_hour),
+        price_usd_per_hour=None
+        if price_auto and t.str_("price_usd_per_hour")
+        else t.number("price_usd_per_hour", d_limits.price_usd_per_hour),
+        price_auto=price_auto,
+        max_price_usd_per_hour=t.number(
+            "max_price_usd_per_hour", d_limits.max_price_usd_per_hour, strict=True
+        ),
+        storage_usd_per_gb_month=t.number(
+            "storage_usd_per_gb_month", d_limits.storage_usd_per_gb_month
+        ),
     )
     t.finish()
-    if limits.budget_usd is not None and not limits.price_usd_per_hour:
+    if price_auto and teardown_provider(doc) in ("none", "command"):
+        t.bad(
+            "price_usd_per_hour",
+            f"'auto' needs a provider that reports the price (vast, runpod, lambda), not "
+            f"teardown.provider = {teardown_provider(doc)!r}: give the price as a number",
+        )
+    if limits.max_price_usd_per_hour is not None and not (
+        limits.price_auto or limits.price_usd_per_hour
+    ):
+        t.bad(
+            "max_price_usd_per_hour",
+            "needs a price to compare with: set price_usd_per_hour (a number or 'auto')",
+        )
+    if limits.budget_usd is not None and not (limits.price_usd_per_hour or limits.price_auto):
         price = limits.price_usd_per_hour
         t.bad(
             "price_usd_per_hour",
@@ -447,30 +575,7 @@ def job_from_dict(
             "without a price the budget never stops the job",
         )
 
-    t = Table("teardown", doc.get("teardown", {}), errors)
-    d_teardown = TeardownSection()
-    provider = t.str_("provider", d_teardown.provider) or d_teardown.provider
-    if provider in _PLANNED_PROVIDERS:
-        t.bad(
-            "provider",
-            f"{provider!r} is not built yet in this version; use 'none' "
-            "(the agent then records the action it would take)",
-        )
-    elif provider not in _PROVIDERS:
-        t.bad(
-            "provider",
-            f"{show(provider)} is not one of {', '.join(_PROVIDERS + _PLANNED_PROVIDERS)}",
-        )
-    teardown = TeardownSection(
-        provider=provider,
-        on_success=as_action(t.choice("on_success", d_teardown.on_success, _ACTIONS)),
-        on_failure=as_action(t.choice("on_failure", d_teardown.on_failure, _ACTIONS)),
-        on_preflight_failure=as_action(
-            t.choice("on_preflight_failure", d_teardown.on_preflight_failure, _ACTIONS)
-        ),
-        require_verified_sync=t.bool_("require_verified_sync", d_teardown.require_verified_sync),
-    )
-    t.finish()
+    teardown = _load_teardown(Table("teardown", doc.get("teardown", {}), errors))
 
     t = Table("server", doc.get("server", {}), errors)
     server = ServerSection()
@@ -506,6 +611,61 @@ def job_from_dict(
         preflight=preflight,
         source=source,
     )
+
+
+def _load_teardown(t: Table) -> TeardownSection:
+    """The ``[teardown]`` table: a provider, its settings, and actions it can carry out."""
+    d = TeardownSection()
+    provider = t.str_("provider", d.provider) or d.provider
+    if provider not in _PROVIDERS:
+        t.bad("provider", f"{show(provider)} is not one of {', '.join(_PROVIDERS)}")
+        provider = d.provider
+    name: ProviderName = provider
+    api_url = t.str_("api_url")
+    if api_url is not None:
+        if name in _API_PATHS:
+            with t.errors.catch():
+                api_url = check_api_url("teardown.api_url", api_url, _API_PATHS[name])
+        else:
+            t.bad("api_url", f"is only used by {', '.join(_API_PATHS)} (provider is {name!r})")
+    instance_id = t.str_("instance_id")
+    if instance_id is not None:
+        problem = instance_id_problem(instance_id)
+        if name not in _API_PATHS:
+            t.bad("instance_id", f"is only used by {', '.join(_API_PATHS)} (provider is {name!r})")
+        elif problem:
+            t.bad("instance_id", f"{show(instance_id)} {problem}")
+    command = t.argv("command")
+    stop_command = t.argv("stop_command")
+    timeout_s = t.duration("command_timeout", d.command_timeout_s)
+    for key, value in (("command", command), ("stop_command", stop_command)):
+        if value and name != "command":
+            t.bad(key, f"is only used by provider 'command' (provider is {name!r})")
+    if name == "command" and not command and not t.errors.named("teardown.command"):
+        t.bad("command", 'is required with provider "command" (e.g. ["shutdown", "-h", "now"])')
+    if "command_timeout" in t.data and name != "command":
+        t.bad("command_timeout", f"is only used by provider 'command' (provider is {name!r})")
+    teardown = TeardownSection(
+        provider=name,
+        on_success=as_action(t.choice("on_success", d.on_success, _ACTIONS)),
+        on_failure=as_action(t.choice("on_failure", d.on_failure, _ACTIONS)),
+        on_preflight_failure=as_action(
+            t.choice("on_preflight_failure", d.on_preflight_failure, _ACTIONS)
+        ),
+        require_verified_sync=t.bool_("require_verified_sync", d.require_verified_sync),
+        api_url=api_url,
+        instance_id=instance_id,
+        command=command if name == "command" else (),
+        stop_command=stop_command if name == "command" else (),
+        command_timeout_s=timeout_s,
+    )
+    t.finish()
+    if not teardown.can_stop:
+        for key in ("on_success", "on_failure", "on_preflight_failure"):
+            if getattr(teardown, key) == "stop" and not t.errors.named(t.key(key)):
+                default = "" if key in t.data else " (the default)"
+                t.bad(key, f"'stop'{default} is not possible: {_NO_STOP[name]}")
+    return teardown
 
 
 def _load_staging(

@@ -13,8 +13,8 @@ import signal
 
 #: The points: right after the trainer is spawned (pid not yet recorded), right after an upload
 #: was sent (not yet read back), FINISHING with the final sync queued, TEARDOWN decided and
-#: recorded but not yet sent.
-POINTS = ("after-launch", "upload-sent", "finishing", "teardown-sending")
+#: recorded but not yet sent, TEARDOWN sent and recorded as sent but not yet read back.
+POINTS = ("after-launch", "upload-sent", "finishing", "teardown-sending", "teardown-sent")
 
 
 def crashpoint(name: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -19,11 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import hub, logutil, restart, signals, staging, teardown
-from .config import Env, Job, TeardownAction, TeardownSection
+from . import guard, hub, logutil, restart, signals, staging, teardown
+from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
 from .crashpoints import crashpoint
 from .limits import check_limits
-from .providers import Provider, make_provider
+from .providers import Provider, ProviderError, make_provider
 from .rundir import (
     RunStatus,
     RunWatcher,
@@ -44,6 +45,7 @@ from .state import (
 )
 from .status import StatusInputs, status_document
 from .sync import AGENT_FILES, SyncEngine
+from .text import os_error
 from .trainer import (
     Launcher,
     Outcome,
@@ -75,9 +77,10 @@ class Daemon:
         poll_interval_s: float = 5.0,
         on_ready: Callable[[Daemon], None] | None = None,
         fresh_start: Callable[[], None] | None = None,
+        start_guard: bool = False,
         launcher: Launcher | None = None,
         sink: Sink | None = None,
-        provider_factory: Callable[[TeardownSection], Provider] = make_provider,
+        provider_factory: Callable[[TeardownSection, Env], Provider] = make_provider,
     ) -> None:
         """The collaborators come from outside, so the orchestrator is tested with fakes:
         ``launcher`` starts and finds trainers (default: real processes), ``sink`` is the sync
@@ -97,6 +100,8 @@ class Daemon:
         self.poll_interval_s = poll_interval_s
         self.on_ready = on_ready
         self.fresh_start = fresh_start
+        #: Start agent/guard.py, the process that stops the box if this agent dies for good.
+        self.start_guard = start_guard
         now = clock()
         self.state = RunState(
             job_name=job.job.name, job_source=job.source, started_at=now, updated_at=now
@@ -180,6 +185,12 @@ class Daemon:
         resume_at = self._adopt(previous)
         if resume_at is None:
             return 0
+        if self.start_guard:  # the safety net if this agent dies for good (agent/guard.py)
+            plan = guard.write_plan(self.env.state_dir, self.job, self.state.started_at)
+            self._spawn(
+                guard.heartbeat_task(self.env.state_dir, plan.heartbeat_every_s), "heartbeat"
+            )
+            guard.ensure_running(self.env.state_dir)
         if self.job.sync is not None:
             sink = self._sink or make_sink(self.job.sync, self.env)
             self.sync = SyncEngine(sink, self.job.sync, state_dir=self.env.state_dir)
@@ -266,6 +277,7 @@ class Daemon:
         if start == Phase.TRAINING:
             transition(self.state, Phase.TRAINING)  # STAGING|BOOTING -> TRAINING
             restart.note_progress(self.state, Phase.TRAINING)
+            await self._read_price()
             self._save()
             reason = await self._training()
             if reason is None:
@@ -353,7 +365,7 @@ class Daemon:
                         stop_reason = Reason.STOPPED_BY_USER
                     else:
                         breach = check_limits(
-                            self.job.limits,
+                            self.limits(),
                             now=self.clock(),
                             job_started_at=self.state.started_at,
                             last_progress_at=self._last_progress_at,
@@ -434,7 +446,7 @@ class Daemon:
                 launch_id=launch_id,
             )
         except (TrainerError, OSError) as exc:
-            message = str(exc) if isinstance(exc, TrainerError) else _os_error(exc)
+            message = str(exc) if isinstance(exc, TrainerError) else os_error(exc, filename=True)
             self.state.cause = f"cannot start the trainer: {message}"
             log.error("%s", self.state.cause)
             return Reason.TRAINING_FAILED
@@ -564,19 +576,28 @@ class Daemon:
         else:
             transition(self.state, Phase.TEARDOWN, note="resumed")  # BOOTING -> TEARDOWN
         self._save()
-        provider = self.provider_factory(self.job.teardown)
         record = self.state.teardown
         resumed = resumed and record is not None and bool(record.get("action"))
+        cfg = self.job.teardown
+        if resumed and record is not None and record.get("instance_id") and not cfg.instance_id:
+            # The instance the first agent identified (Lambda finds itself by IP, and a
+            # terminated instance can leave the list).
+            cfg = dataclasses.replace(cfg, instance_id=str(record["instance_id"]))
+        provider = self.provider_factory(cfg, self.env)
         if not resumed or record is None:
-            action, why = self._teardown_action(reason)
+            action, why = self._teardown_action(reason, can_stop=provider.can_stop)
+            (log.error if "KEPT" in why else log.info)("teardown decision: %s (%s)", action, why)
             self.state.teardown = record = {
                 "provider": provider.name,
                 "action": action,
                 "why": why,
                 "started_at": self.clock(),
+                "instance_id": await self._instance_id(provider),
             }
             self._save(required=True)  # irreversible steps are recorded as started first
-        result = await teardown.carry_out(provider, record, reason, resumed=resumed)
+        result = await teardown.carry_out(
+            provider, record, reason, resumed=resumed, save=self._save
+        )
         record.update(result.to_dict())
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
@@ -588,7 +609,43 @@ class Daemon:
         )
         return 0
 
-    def _teardown_action(self, reason: Reason) -> tuple[TeardownAction, str]:
+    def limits(self) -> LimitsSection:
+        """The job's limits, with the provider's real price where the job says ``auto``."""
+        lim = self.job.limits
+        if lim.price_auto and self.state.price_usd_per_hour is not None:
+            return dataclasses.replace(lim, price_usd_per_hour=self.state.price_usd_per_hour)
+        return lim
+
+    async def _read_price(self) -> None:
+        """``price_usd_per_hour = "auto"``: the price preflight read, else ask the provider."""
+        if not self.job.limits.price_auto or self.state.price_usd_per_hour is not None:
+            return
+        for check in (self.preflight_report or {}).get("checks", []):
+            price = (check.get("details") or {}).get("price_usd_per_hour")
+            if str(check.get("name", "")).startswith("provider.") and price is not None:
+                self.state.price_usd_per_hour = float(price)
+        if self.state.price_usd_per_hour is None:
+            provider = self.provider_factory(self.job.teardown, self.env)
+            try:
+                self.state.price_usd_per_hour = await provider.price_usd_per_hour()
+            except ProviderError as exc:
+                log.warning("cannot read this box's price: %s", exc)
+        if self.state.price_usd_per_hour is None:
+            log.warning("price_usd_per_hour = 'auto', but the provider reports no price: no budget")
+        else:
+            log.info("this box costs $%.4f/h (from the provider)", self.state.price_usd_per_hour)
+
+    async def _instance_id(self, provider: Provider) -> str | None:
+        """This box's id at the provider, for the record (a restart reads back that one)."""
+        try:
+            return (await provider.identify()).instance_id
+        except ProviderError as exc:
+            log.warning("teardown: cannot identify this instance: %s", exc)
+            return None
+
+    def _teardown_action(
+        self, reason: Reason, *, can_stop: bool = True
+    ) -> tuple[TeardownAction, str]:
         verified = bool(
             self.sync and self.sync.verify_result and self.sync.verify_result.sync_verified
         )
@@ -597,6 +654,7 @@ class Daemon:
             self.job.teardown,
             sync_verified=verified,
             anything_to_save=teardown.anything_to_save(self.state, self.run_dir, self.job.job),
+            can_stop=can_stop,
         )
         return decision.action, decision.why
 
@@ -668,7 +726,7 @@ class Daemon:
         try:
             atomic_write_json(self.store.path(name), data)
         except OSError as exc:
-            log.error("cannot write %s: %s", name, _os_error(exc))
+            log.error("cannot write %s: %s", name, os_error(exc, filename=True))
 
     def _save(self, *, required: bool = False) -> None:
         """Persist the state. Out of disk the agent keeps supervising with the state in memory
@@ -677,7 +735,7 @@ class Daemon:
         try:
             self.store.save(self.state)
         except OSError as exc:
-            message = f"cannot write {self.store.state_path}: {_os_error(exc)}"
+            message = f"cannot write {self.store.state_path}: {os_error(exc, filename=True)}"
             if message != self.state_write_error:
                 log.error("%s; the agent carries on with its state in memory", message)
             self.state_write_error = message
@@ -703,12 +761,9 @@ class Daemon:
                 staging=self.staging_report,
                 state_write_error=self.state_write_error,
                 now=self.clock(),
+                limits=self.limits(),
             )
         )
-
-
-def _os_error(exc: OSError) -> str:
-    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
 
 
 def _run_dir_from_result(result: dict[str, Any] | None) -> Path | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml  # type: ignore[import-untyped,unused-ignore]
+
+from agent.text import format_bytes, one_line, show
+from agent.trainargs import find_libreyolo
 
 __all__ = [
     "DataCheck",
@@ -110,13 +112,6 @@ class DataCheck:
 # The doctor and the check
 
 
-def _libreyolo_exe() -> str | None:
-    beside = Path(sys.executable).parent / "libreyolo"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("libreyolo")
-
-
 def run_doctor(
     data_yaml: Path, *, timeout_s: float = 600, exe: str | None = None
 ) -> dict[str, Any]:
@@ -128,7 +123,7 @@ def run_doctor(
     not found); judging the report is the caller's business (:func:`check_data_yaml` does).
     ``exe`` is the libreyolo command; by default the one next to this Python, else on PATH.
     """
-    exe = exe or _libreyolo_exe()
+    exe = exe or find_libreyolo()
     if exe is None:
         raise StagingError(
             f"the libreyolo command was not found next to {sys.executable} or on PATH; install the "
@@ -160,7 +155,7 @@ def run_doctor(
         ) from None
     report = _parse_json_object(proc.stdout)
     if report is None:
-        tail = _one_line(
+        tail = one_line(
             proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output", 200
         )
         raise StagingError(
@@ -169,7 +164,7 @@ def run_doctor(
         )
     report.setdefault("exit_code", proc.returncode)
     if not isinstance(report.get("summary"), dict):
-        message = _one_line(str(report.get("message") or report.get("error") or "no summary"), 200)
+        message = one_line(str(report.get("message") or report.get("error") or "no summary"), 200)
         raise StagingError(
             f"libreyolo doctor could not check {data_yaml} (exit {proc.returncode}): {message}; "
             "check dataset.data_yaml / train.data"
@@ -184,7 +179,7 @@ def check_data_yaml(
     allow_outside_paths: bool,
     staged_root: Path | None,
     timeout_s: float = 600.0,
-    find_libreyolo: Callable[[], str | None] = _libreyolo_exe,
+    find_libreyolo: Callable[[], str | None] = find_libreyolo,
 ) -> DataCheck:
     """Check the data YAML a job trains on, staged or local, before the trainer starts.
 
@@ -219,7 +214,7 @@ def check_data_yaml(
     elif via is not None:
         beside = path.parent / str(config["path"])
         note = (
-            f"path {_show(str(config['path']))} in {path} resolves to {root}, not to {beside}: "
+            f"path {show(str(config['path']), 80)} in {path} resolves to {root}, not to {beside}: "
             f"{via}; make path absolute, or remove it to use the YAML's folder"
         )
         warnings.append(note)
@@ -248,7 +243,7 @@ def check_data_yaml(
     if errors or report.get("exit_code") not in (0, None):
         bad = [f for f in findings if f.get("severity") == "error"]
         text = " | ".join(
-            f"{f.get('check_id', '?')}: {_one_line(str(f.get('message', '')))}" for f in bad[:5]
+            f"{f.get('check_id', '?')}: {one_line(str(f.get('message', '')))}" for f in bad[:5]
         )
         if len(bad) > 5:
             text += f" | and {len(bad) - 5} more"
@@ -260,7 +255,7 @@ def check_data_yaml(
             report,
         )
     found = [
-        f"{f.get('check_id', '?')}: {_one_line(str(f.get('message', '')))}"
+        f"{f.get('check_id', '?')}: {one_line(str(f.get('message', '')))}"
         for f in findings
         if f.get("severity") == "warning"
     ]
@@ -296,7 +291,7 @@ def _read_data_yaml(path: Path) -> dict[str, Any]:
         ) from None
     if len(raw) > _MAX_YAML_BYTES:
         raise StagingError(
-            f"the data YAML {path} is larger than {_fmt_bytes(_MAX_YAML_BYTES)}, which no data "
+            f"the data YAML {path} is larger than {format_bytes(_MAX_YAML_BYTES)}, which no data "
             "YAML is; check train.data"
         )
     try:
@@ -306,7 +301,7 @@ def _read_data_yaml(path: Path) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or exc
         raise StagingError(
-            f"the data YAML {path} is not valid YAML ({_one_line(str(problem), 120)}{where}); "
+            f"the data YAML {path} is not valid YAML ({one_line(str(problem), 120)}{where}); "
             "fix the file"
         ) from None
     except (RecursionError, ValueError) as exc:
@@ -335,7 +330,7 @@ def _dataset_root(config: Mapping[str, Any], yaml_path: Path) -> tuple[Path, str
     raw = config["path"]
     if not isinstance(raw, str):
         raise StagingError(
-            f"path in the data YAML {yaml_path} is {_show(str(raw))}, not a folder; fix the file"
+            f"path in the data YAML {yaml_path} is {show(str(raw), 80)}, not a folder; fix the file"
         )
     given = Path(raw)
     if given.is_absolute():
@@ -396,7 +391,7 @@ def _check_inside(
             continue  # relative to an outside path:, which is named already
         if not _inside(target, staged_root):
             why = f" ({via})" if key == "path" and via else ""
-            outside.append(f"{key} {_show(value)} resolves to {os.path.realpath(target)}{why}")
+            outside.append(f"{key} {show(value, 80)} resolves to {os.path.realpath(target)}{why}")
         elif key != "path" and target.suffix.lower() == ".txt" and target.is_file():
             outside.extend(_list_outside(key, target, staged_root))
     if outside:
@@ -438,7 +433,7 @@ def _list_outside(key: str, listing: Path, staged_root: Path) -> list[str]:
             inside = folders[folder]
         if not inside:
             out.append(
-                f"{key} list {listing.name} line {number} {_show(line)} resolves to "
+                f"{key} list {listing.name} line {number} {show(line, 80)} resolves to "
                 f"{os.path.realpath(target)}"
             )
             if len(out) > 5:
@@ -488,24 +483,6 @@ def _trim_findings(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _show(name: str) -> str:
-    text = repr(name)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _one_line(text: str, limit: int = 200) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _int_or_zero(value: object) -> int:

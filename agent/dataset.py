@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -46,6 +45,8 @@ from agent.archive import (
 from agent.config import DatasetSection, Env
 from agent.datacheck import DoctorError, StagingError, check_data_yaml
 from agent.preflight import DISK_HEADROOM
+from agent.sinks import sha256_file
+from agent.text import format_bytes
 
 __all__ = [
     "MARKER_NAME",
@@ -162,11 +163,11 @@ def stage_dataset(
     archive = _download(ds, env)
     commit = _commit_from_cache_path(archive, ds.file)
     size = archive.stat().st_size
-    sha256 = _sha256(archive)
+    sha256 = sha256_file(archive)
     log.info(
         "staging: downloaded %s (%s, commit %s, sha256 %s) in %.1fs",
         ds.file,
-        _fmt_bytes(size),
+        format_bytes(size),
         commit or "unknown",
         sha256[:12],
         time.monotonic() - started,
@@ -206,7 +207,7 @@ def stage_dataset(
     log.info(
         "staging: unpacked %d files (%s) into %s in %.1fs",
         plan.files,
-        _fmt_bytes(written),
+        format_bytes(written),
         dest,
         time.monotonic() - started,
     )
@@ -483,14 +484,6 @@ def _commit_from_cache_path(path: Path, filename: str) -> str | None:
     return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------
 # Finding the data YAML
 
@@ -555,14 +548,6 @@ def _listing(dest: Path) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _str_or_none(value: object) -> str | None:

@@ -38,6 +38,7 @@ import huggingface_hub
 
 from . import __version__
 from .config import Env
+from .text import one_line
 
 log = logging.getLogger(__name__)
 
@@ -353,12 +354,6 @@ def redact(text: str, token: str | None) -> str:
     for form in sorted((f for f in forms if f), key=len, reverse=True):
         text = text.replace(form, REDACTED)
     return text
-
-
-def one_line(text: str, limit: int = 200) -> str:
-    """``text`` on one line, whitespace collapsed, cut to ``limit`` characters."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from typing import Any, overload
 from urllib.parse import urlsplit
 
+from .text import show as show
+
 
 class ConfigError(Exception):
     """A job file or environment value is wrong. The message names the key and the fix.
@@ -88,16 +90,6 @@ class ErrorList:
 
 # --------------------------------------------------------------------------------------------
 # Text
-
-
-def show(value: object) -> str:
-    """``repr`` cut to 60 characters: control characters come out escaped."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's str() digit limit (hexadecimal TOML reads fine)
-        assert isinstance(value, int)
-        text = f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def printable(text: str) -> str:
@@ -288,6 +280,35 @@ class Table:
             self.errors.add(exc)
             return default
 
+    def argv(self, k: str) -> tuple[str, ...]:
+        """A command line as a list of strings (run without a shell); ``()`` when missing."""
+        v = self._get(k, False)
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            self.bad(
+                k,
+                f"{show(v)} must be a list of strings, one per argument (it runs without a "
+                f'shell), e.g. ["shutdown", "-h", "now"]',
+            )
+            return ()
+        if not isinstance(v, list) or not v:
+            self.bad(k, f"{show(v)} must be a non-empty list of strings (the command's argv)")
+            return ()
+        for i, arg in enumerate(v):
+            if not isinstance(arg, str):
+                self.bad(k, f"item {i}: {show(arg)} is not a string")
+                return ()
+            try:
+                refuse_unprintable(f"{self.key(k)}[{i}]", arg, lax=True)
+            except ConfigError as exc:
+                self.bad(k, str(exc).partition(": ")[2])
+                return ()
+        if not v[0].strip():
+            self.bad(k, f"{show(v)}: the program (item 0) must not be empty")
+            return ()
+        return tuple(v)
+
     def choice(self, k: str, default: str, choices: tuple[str, ...]) -> str:
         v = self.str_(k, default)
         assert v is not None
@@ -398,6 +419,48 @@ def url_scheme(url: str) -> str | None:
         return urlsplit(url).scheme
     except ValueError:
         return None
+
+
+#: A provider's instance id: it becomes one segment of an API path, so nothing that could
+#: change the path (``/``, ``..``, ``?``, ``%``) gets through. Vast ids are digits, RunPod's
+#: letters and digits, Lambda's hexadecimal.
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def instance_id_problem(value: str) -> str | None:
+    """Why ``value`` is not a usable instance id, or None when it is one."""
+    if _INSTANCE_ID.fullmatch(value) and ".." not in value:
+        return None
+    return "must be 1-128 letters, digits, '_', '.' or '-' (starting with a letter or digit)"
+
+
+def check_api_url(key: str, url: str, api_path: str | None = None) -> str:
+    """``url`` is an http(s) base URL with a host and nothing after the path; returns it
+    without a trailing ``/``. ``api_path`` (``/api/v0``...) is the part the agent appends: a URL
+    that already ends with it is refused, as the request would go to ``/api/v0/api/v0``."""
+    try:
+        parsed = urlsplit(url)
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ConfigError(key, f"{show(url)} is not a valid URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(key, f"{show(url)} must be an http:// or https:// URL with a host")
+    if parsed.username is not None or parsed.password is not None:
+        raise ConfigError(
+            key,
+            f"{show(parsed.scheme + '://...@' + parsed.hostname)}: credentials in the URL would "
+            "be logged; the API key comes from the environment only",
+        )
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        raise ConfigError(key, f"{show(url)} must not have a query or fragment")
+    base = url.rstrip("/")
+    if api_path and urlsplit(base).path.endswith(api_path):
+        raise ConfigError(
+            key,
+            f"{show(url)} ends with {api_path}, which the agent appends itself: give the part "
+            f"before {api_path}",
+        )
+    return base
 
 
 def check_sync_target(key: str, target: str) -> None:

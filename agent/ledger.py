@@ -19,8 +19,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
-from .snapshots import describe
 from .state import atomic_write_json
+from .text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
 log = logging.getLogger("agent.sync")
@@ -127,7 +127,7 @@ class Ledger:
             self.save()
         except OSError as exc:
             self.dirty = True
-            message = describe(exc)
+            message = os_error(exc)
             if message != self.save_error:
                 log.error("sync ledger not saved (%s): kept in memory, saved again later", message)
             self.save_error = message

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("agent.logutil")
@@ -43,6 +43,50 @@ class _Window:
     suppressed: int = 0
 
 
+class RateLimiter:
+    """At most one pass per key per ``interval_s``; counts what it held back. Thread-safe.
+
+    Keeps at most ``max_keys`` keys, forgetting first the one that passed longest ago. The core
+    of :class:`RateLimitFilter` and of the sync's per-path warnings (``agent.uploads.Throttle``).
+    """
+
+    def __init__(
+        self,
+        interval_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 1024,
+    ) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._max_keys = max_keys
+        self._windows: OrderedDict[Hashable, _Window] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget every key."""
+        with self._lock:
+            self._windows.clear()
+
+    def admit(self, key: Hashable) -> tuple[int, float] | None:
+        """None: hold this one back. Else it passes: how many were held back since ``key`` last
+        passed, and the seconds since then (``(0, 0.0)`` for a new key)."""
+        now = self._clock()
+        with self._lock:
+            window = self._windows.get(key)
+            if window is not None and now - window.started < self.interval_s:
+                window.suppressed += 1
+                return None
+            if window is None:
+                if len(self._windows) >= self._max_keys:
+                    self._windows.popitem(last=False)
+                self._windows[key] = _Window(now)
+                return 0, 0.0
+            self._windows[key] = _Window(now)
+            self._windows.move_to_end(key)
+        return window.suppressed, now - window.started
+
+
 class RateLimitFilter(logging.Filter):
     """Lets a record through at most once per ``interval_s`` per key; counts the rest.
 
@@ -65,17 +109,16 @@ class RateLimitFilter(logging.Filter):
         max_keys: int = 1024,
     ) -> None:
         super().__init__()
-        self.interval_s = interval_s
         self.min_level = min_level
-        self._clock = clock
-        self._max_keys = max_keys
-        self._windows: OrderedDict[Key, _Window] = OrderedDict()
-        self._lock = threading.Lock()
+        self._limiter = RateLimiter(interval_s, clock=clock, max_keys=max_keys)
+
+    @property
+    def interval_s(self) -> float:
+        return self._limiter.interval_s
 
     def reset(self) -> None:
         """Forget every key (tests; a new run in the same process)."""
-        with self._lock:
-            self._windows.clear()
+        self._limiter.reset()
 
     def filter(self, record: logging.LogRecord) -> bool:
         decided = getattr(record, _DECISION, None)
@@ -86,21 +129,10 @@ class RateLimitFilter(logging.Filter):
         return passed
 
     def _admit(self, record: logging.LogRecord) -> bool:
-        key = _key(record)
-        now = self._clock()
-        with self._lock:
-            window = self._windows.get(key)
-            if window is not None and now - window.started < self.interval_s:
-                window.suppressed += 1
-                return False
-            if window is None:
-                if len(self._windows) >= self._max_keys:
-                    self._windows.popitem(last=False)
-                self._windows[key] = _Window(now)
-                return True
-            held, elapsed = window.suppressed, now - window.started
-            self._windows[key] = _Window(now)
-            self._windows.move_to_end(key)
+        passed = self._limiter.admit(_key(record))
+        if passed is None:
+            return False
+        held, elapsed = passed
         if held:
             _append_to_first_line(
                 record, f" ({held} similar suppressed in the last {elapsed:.0f}s)"

@@ -11,21 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .state import Phase, RunState
+from .state import SPINE, Phase, RunState
 
 #: This many agent crashes in a row, with no progress between them, is a crash loop.
 MAX_CRASHES = 3
-#: Order of the phases along the spine, to tell progress from a restart into the same place.
-SPINE = (
-    Phase.BOOTING,
-    Phase.PREFLIGHT,
-    Phase.STAGING,
-    Phase.TRAINING,
-    Phase.FINISHING,
-    Phase.TEARDOWN,
-    Phase.HELD,
-    Phase.DONE,
-)
 
 
 def resume_phase(was: Phase, previous: RunState) -> Phase:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import re
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from .rundir import is_valid_checkpoint
 from .sinks import sha256_file
+from .text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
 log = logging.getLogger("agent.sync")
@@ -83,7 +83,7 @@ class Snapshotter:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("snapshot of %s skipped: %s", src.name, describe(exc))
+            log.warning("snapshot of %s skipped: %s", src.name, os_error(exc))
             return None
         dst = self._next(src.name)
         tmp = dst.with_name(dst.name + ".tmp")
@@ -98,7 +98,7 @@ class Snapshotter:
             live = live_snapshot(src, checkpoint=checkpoint)
             if live is None:
                 log.warning(
-                    "snapshot of %s failed (%s), the live file too", src.name, describe(exc)
+                    "snapshot of %s failed (%s), the live file too", src.name, os_error(exc)
                 )
                 return None
             return dataclasses.replace(live, copy_error=exc)
@@ -114,7 +114,7 @@ class Snapshotter:
             tmp.replace(dst)
             return Snapshot(dst, sha256_file(dst), dst.stat().st_size, after.st_mtime_ns)
         except OSError as exc:
-            log.warning("snapshot of %s skipped: %s", src.name, describe(exc))
+            log.warning("snapshot of %s skipped: %s", src.name, os_error(exc))
             unlink_quietly(tmp)
             unlink_quietly(dst)
             return None
@@ -143,7 +143,7 @@ def live_snapshot(src: Path, *, checkpoint: bool) -> Snapshot | None:
         digest = sha256_file(src)
         after = src.stat()
     except OSError as exc:
-        log.warning("%s not used: %s", src.name, describe(exc))
+        log.warning("%s not used: %s", src.name, os_error(exc))
         return None
     if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
         log.warning("%s not used: it changed while being hashed", src.name)
@@ -173,13 +173,6 @@ def has_content(path: Path, sha256: str, size: int) -> bool:
         return False
 
 
-def describe(exc: OSError) -> str:
-    """``ENOSPC: No space left on device`` - short, greppable, no path."""
-    name = errno.errorcode.get(exc.errno or 0)
-    text = exc.strerror or str(exc)
-    return f"{name}: {text}" if name else f"{type(exc).__name__}: {text}"
-
-
 def unlink_quietly(path: Path) -> bool:
     """Delete a file of ours; a failure is logged, never raised. True when it was deleted."""
     try:
@@ -187,6 +180,6 @@ def unlink_quietly(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        log.warning("cannot delete %s: %s", path, describe(exc))
+        log.warning("cannot delete %s: %s", path, os_error(exc))
         return False
     return True

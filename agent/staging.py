@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from . import backoff
 from .config import Env, Job
 
 log = logging.getLogger("agent.daemon")
@@ -66,9 +67,9 @@ async def stage(
             except StagingError as exc:
                 # Staging is idempotent: a network hiccup is worth a few patient retries.
                 if exc.retryable and attempt < STAGING_ATTEMPTS:
-                    delay = min(60.0, 5.0 * 2 ** (attempt - 1))
+                    delay = backoff.delay_s(attempt, first_s=5.0, cap_s=60.0)
                     log.warning(
-                        "staging attempt %d failed: %s; retry in %.0fs", attempt, exc, delay
+                        "staging attempt %d failed: %s; retry in %.1fs", attempt, exc, delay
                     )
                     if await _stopped_within(stop, delay):
                         return StagingOutcome(True, None)

@@ -29,8 +29,8 @@ class Phase(str, Enum):
     TRAINING = "TRAINING"  #: the trainer runs; checkpoints are synced at milestones
     FINISHING = "FINISHING"  #: final sync of everything and its verification
     TEARDOWN = "TEARDOWN"  #: the provider call that stops paying, and its read-back
-    DONE = "DONE"  #: the job ended as planned (whatever the training outcome)
     HELD = "HELD"  #: teardown held by a person; the box stays up until released
+    DONE = "DONE"  #: the job ended as planned (whatever the training outcome)
     FAILED = "FAILED"  #: the agent itself failed; a person must look
 
     @property
@@ -51,19 +51,16 @@ class Reason(str, Enum):
     AGENT_FAILED = "agent_failed"
 
 
+#: The phases in the order a run goes through them (members are declared in it): FAILED, which
+#: can follow any phase but DONE, is off the spine.
+SPINE: tuple[Phase, ...] = tuple(p for p in Phase if p is not Phase.FAILED)
+#: The phases a run can still leave.
+_LIVE = frozenset(p for p in Phase if not p.terminal)
+
 #: Allowed source phases for each target phase (supervisor's ``_assertInState``).
 ALLOWED: dict[Phase, frozenset[Phase]] = {
     # A restarted agent boots again from wherever the killed one was (then resumes that phase).
-    Phase.BOOTING: frozenset(
-        {
-            Phase.PREFLIGHT,
-            Phase.STAGING,
-            Phase.TRAINING,
-            Phase.FINISHING,
-            Phase.TEARDOWN,
-            Phase.HELD,
-        }
-    ),
+    Phase.BOOTING: _LIVE - {Phase.BOOTING},
     Phase.PREFLIGHT: frozenset({Phase.BOOTING}),
     # BOOTING -> STAGING when preflight is disabled; a re-attach goes BOOTING -> TRAINING.
     Phase.STAGING: frozenset({Phase.BOOTING, Phase.PREFLIGHT}),
@@ -75,17 +72,7 @@ ALLOWED: dict[Phase, frozenset[Phase]] = {
     ),
     Phase.HELD: frozenset({Phase.TEARDOWN}),
     Phase.DONE: frozenset({Phase.TEARDOWN, Phase.HELD}),
-    Phase.FAILED: frozenset(
-        {
-            Phase.BOOTING,
-            Phase.PREFLIGHT,
-            Phase.STAGING,
-            Phase.TRAINING,
-            Phase.FINISHING,
-            Phase.TEARDOWN,
-            Phase.HELD,
-        }
-    ),
+    Phase.FAILED: _LIVE,
 }
 
 
@@ -131,6 +118,8 @@ class RunState:
     #: Agent crashes (unexpected exceptions) since the last progress; a crash loop ends in a
     #: gated teardown decision instead of restarts that bill.
     crashes: list[dict[str, Any]] = field(default_factory=list)
+    #: The instance's price read from the provider (``price_usd_per_hour = "auto"``), USD/h.
+    price_usd_per_hour: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -157,6 +146,7 @@ class RunState:
             history=list(d.get("history", [])),
             launch=d.get("launch"),
             crashes=list(d.get("crashes", [])),
+            price_usd_per_hour=d.get("price_usd_per_hour"),
         )
 
 

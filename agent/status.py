@@ -5,11 +5,14 @@ No secret is ever part of it: the state holds none, the sync status names paths 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Job
+from .config import Job, LimitsSection
+from .cost import stopped_usd_per_hour
+from .disk import nearest_existing
 from .limits import deadlines
 from .rundir import RunStatus, effective_state, pid_alive, read_metrics
 from .state import RunState
@@ -27,6 +30,8 @@ class StatusInputs:
     staging: dict[str, Any] | None
     state_write_error: str | None
     now: float
+    #: The job's limits with the real price where it is ``auto``.
+    limits: LimitsSection | None = None
 
 
 def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -62,10 +67,40 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "sync": i.sync,
         "preflight": i.preflight,
         "staging": i.staging,
-        "limits": deadlines(i.job.limits, job_started_at=state.started_at),
+        "limits": deadlines(i.limits or i.job.limits, job_started_at=state.started_at),
+        "money": money(i, eta),
         "teardown": state.teardown,
         "started_at": state.started_at,
         "updated_at": state.updated_at,
         "agent_pid": state.agent_pid,
         "state_write_error": i.state_write_error,
+    }
+
+
+def money(i: StatusInputs, eta_s: float | None) -> dict[str, Any]:
+    """Spent so far at the job's price (from the job's first boot), projected to the end of
+    training, and what the box would cost per hour once stopped (disk only: allocated GB x
+    storage price / 720, the figure ``libreyolo-agent cost`` uses). None where unknown."""
+    lim = i.limits or i.job.limits
+    price = lim.price_usd_per_hour
+    elapsed_h = max(0.0, i.now - i.state.started_at) / 3600.0
+    spent = projected = None
+    if price is not None:
+        spent = price * elapsed_h
+        projected = spent + price * (eta_s or 0.0) / 3600.0
+    stopped = None
+    if lim.storage_usd_per_gb_month is not None:
+        try:
+            total = shutil.disk_usage(nearest_existing(i.job.job.runs_dir)).total
+        except OSError:
+            total = None
+        if total is not None:
+            stopped = stopped_usd_per_hour(total / 1e9, lim.storage_usd_per_gb_month)
+    return {
+        "price_usd_per_hour": price,
+        "price_from_provider": lim.price_auto,
+        "spent_usd": spent,
+        "projected_usd": projected,
+        "budget_usd": lim.budget_usd,
+        "stopped_usd_per_hour": stopped,
     }

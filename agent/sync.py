@@ -33,14 +33,15 @@ from .sinks import RemoteFile, Sink, SinkError
 from .snapshots import (
     Snapshot,
     Snapshotter,
-    describe,
     find_leftover,
     has_content,
     live_snapshot,
     unlink_quietly,
 )
 from .state import atomic_write_json
-from .uploads import Item, Throttle, UploadQueue, in_daemon_thread
+from .text import os_error
+from .threads import in_daemon_thread
+from .uploads import Item, Throttle, UploadQueue
 
 __all__ = [
     "AGENT_FILES",
@@ -312,7 +313,7 @@ class SyncEngine:
             snap = await asyncio.to_thread(self.snapshots.take, src, checkpoint=checkpoint)
         except OSError as exc:  # take() catches its own; listing the folder can still fail
             self._throttle.warning(
-                remote_path, describe(exc), "snapshot of %s failed: %s", src.name, exc
+                remote_path, os_error(exc), "snapshot of %s failed: %s", src.name, exc
             )
             return "unavailable"
         if snap is None:
@@ -351,22 +352,22 @@ class SyncEngine:
             return
         if err.errno in _DISK_FULL:
             if self.disk_full is None:
-                self.disk_full = {"since": self._clock(), "message": describe(err)}
+                self.disk_full = {"since": self._clock(), "message": os_error(err)}
                 self._throttle.warning(
                     "snapshots",
                     "disk full",
                     "disk full: cannot snapshot to %s (%s); uploading checkpoints straight "
                     "from the run directory until there is room",
                     self.snapshots.root,
-                    describe(err),
+                    os_error(err),
                 )
         else:
             self._throttle.warning(
                 "snapshot",
-                describe(err),
+                os_error(err),
                 "snapshot of %s failed (%s): uploading the live file",
                 snap.path.name,
-                describe(err),
+                os_error(err),
             )
 
     # ---------------------------------------------------------------- start-up and the end
@@ -509,7 +510,9 @@ class SyncEngine:
         async def read_back(path: str) -> RemoteFile | None:
             if path not in read:
                 read[path] = await asyncio.wait_for(
-                    asyncio.wrap_future(in_daemon_thread(self.sink.stat, path, name="read-back")),
+                    asyncio.wrap_future(
+                        in_daemon_thread(self.sink.stat, path, name="sync-read-back")
+                    ),
                     self.cfg.upload_timeout_s,
                 )
             return read[path]
@@ -557,7 +560,7 @@ class SyncEngine:
         try:
             atomic_write_json(self.state_dir / "sync-result.json", result.to_dict(), mode=0o600)
         except OSError as exc:
-            log.error("sync-result.json not written: %s", describe(exc))
+            log.error("sync-result.json not written: %s", os_error(exc))
         return result
 
     def status(self) -> dict[str, Any]:

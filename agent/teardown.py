@@ -10,6 +10,8 @@ started, no checkpoint of this job on disk - has nothing to save.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
@@ -36,6 +38,7 @@ def decide(
     *,
     sync_verified: bool,
     anything_to_save: bool,
+    can_stop: bool = True,
 ) -> Decision:
     """What to do with the box once the run ended for ``reason``."""
     if reason == Reason.PREFLIGHT_FAILED and not anything_to_save:
@@ -50,11 +53,21 @@ def decide(
     else:
         action, why = cfg.on_failure, f"teardown.on_failure = {cfg.on_failure}"
     if action == "destroy" and cfg.require_verified_sync and not sync_verified:
+        if can_stop:
+            return Decision(
+                "stop",
+                "destroy downgraded to stop: checkpoints are not verified off the box "
+                "(teardown.require_verified_sync)",
+            )
+        # This provider cannot stop (Lambda): the only safe thing is to keep the box, loudly.
         return Decision(
-            "stop",
-            "destroy downgraded to stop: checkpoints are not verified off the box "
-            "(teardown.require_verified_sync)",
+            "keep",
+            f"destroy refused and the box KEPT (still billing): checkpoints are not verified off "
+            f"the box and provider {cfg.provider!r} has no stop; fetch the checkpoints, then "
+            "destroy it by hand (teardown.require_verified_sync)",
         )
+    if action == "stop" and not can_stop:
+        return Decision("keep", f"{why}, but provider {cfg.provider!r} has no stop: box kept")
     return Decision(action, why)
 
 
@@ -76,21 +89,35 @@ async def carry_out(
     reason: Reason,
     *,
     resumed: bool,
+    save: Callable[[], None] | None = None,
 ) -> TeardownResult:
-    """Send ``record["action"]`` to the provider and read it back. ``resumed``: a previous agent
-    decided (and maybe sent) it already: the decision stands, and the provider is asked where
-    things are before anything is sent again."""
+    """Send ``record["action"]`` to the provider and read it back, keeping the record durable at
+    each step: requested (``started_at``, saved by the caller) -> sent (``sent_at``, saved the
+    moment the provider accepted) -> confirmed or not (the read-back, the caller saves).
+
+    ``resumed``: a previous agent decided (and maybe sent) it already. The decision stands; a
+    record that says "sent" is only read back (never a second destroy); one that never got as
+    far asks the provider where things stand before anything is sent."""
     action = as_action(str(record["action"]))
-    result: TeardownResult | None = None
     if resumed:
         log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
         if record.get("confirmed"):
-            result = TeardownResult(
+            return TeardownResult(
                 action, bool(record.get("performed")), True, str(record.get("detail", ""))
             )
-        else:
-            result = await provider.read_back(action)
-    if result is None:
-        crashpoint("teardown-sending")
-        result = await provider.teardown(action, reason.value)
-    return result
+        if record.get("sent_at"):
+            log.info("teardown: %s was sent at %s; reading back only", action, record["sent_at"])
+            return await provider.confirm(action)
+        found = await provider.read_back(action)
+        if found is not None:
+            return found
+
+    def on_sent(detail: str) -> None:
+        record["sent_at"] = time.time()
+        record["sent"] = detail
+        if save is not None:
+            save()
+        crashpoint("teardown-sent")
+
+    crashpoint("teardown-sending")
+    return await provider.teardown(action, reason.value, on_sent=on_sent)

@@ -1,4 +1,5 @@
-"""LibreYOLO's own list of ``libreyolo train`` options, read from its source without importing it.
+"""The installed LibreYOLO as the agent sees it without importing it: its ``libreyolo`` command
+(:func:`find_libreyolo`) and its own list of ``libreyolo train`` options, read from its source.
 
 The options are the parameters of ``train_cmd`` in ``libreyolo/cli/commands/train.py`` (1.6.0),
 each a ``typer.Option(default, *flags)``. LibreYOLO's CLI turns ``key=value`` into ``--key value``
@@ -15,6 +16,9 @@ import ast
 import difflib
 import functools
 import importlib.util
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +122,15 @@ def _is_call_to(node: ast.expr, name: str) -> bool:
     return (isinstance(func, ast.Attribute) and func.attr == name) or (
         isinstance(func, ast.Name) and func.id == name
     )
+
+
+def find_libreyolo() -> str | None:
+    """The ``libreyolo`` command next to this Python (the venv's), else the one on PATH; None
+    when there is neither."""
+    beside = Path(sys.executable).parent / "libreyolo"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("libreyolo")
 
 
 @functools.cache

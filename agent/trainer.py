@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -27,6 +26,7 @@ import psutil
 from .config import Job, TrainValue
 from .rundir import RunStatus, pid_alive
 from .state import TrainerRecord
+from .trainargs import find_libreyolo
 
 log = logging.getLogger("agent.trainer")
 
@@ -59,11 +59,9 @@ class TrainerError(Exception):
 
 
 def libreyolo_executable() -> str:
-    """The ``libreyolo`` next to this Python (the venv), else the one on PATH."""
-    beside = Path(sys.executable).with_name("libreyolo")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("libreyolo")
+    """The ``libreyolo`` next to this Python (the venv), else the one on PATH
+    (:func:`agent.trainargs.find_libreyolo`); :class:`TrainerError` when there is neither."""
+    found = find_libreyolo()
     if found:
         return found
     raise TrainerError(

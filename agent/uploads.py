@@ -16,18 +16,21 @@ import contextlib
 import logging
 import random
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import backoff
 from .config import SyncSection
 from .crashpoints import crashpoint
 from .ledger import ItemKind, Ledger
+from .logutil import RateLimiter
 from .sinks import Sink, SinkError
-from .snapshots import describe, live_snapshot, unlink_quietly
+from .snapshots import live_snapshot, unlink_quietly
+from .text import os_error
+from .threads import in_daemon_thread
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
 log = logging.getLogger("agent.sync")
@@ -63,34 +66,18 @@ class _Flight:
     started_at: float
 
 
-@dataclass
-class _Seen:
-    at: float
-    suppressed: int = 0
-
-
 class Throttle:
     """At most one log line per key per ``interval_s``: a target down for hours, retried every
     few seconds, must not write megabytes of the same warning. Counts what it held back."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s = interval_s
-        self._clock = clock
-        self._seen: dict[tuple[str, str], _Seen] = {}
+        self._limiter = RateLimiter(interval_s, clock=clock)
 
     def allow(self, path: str, error: str) -> int | None:
         """None: suppress this line; else log it, with this many similar lines held back."""
-        now = self._clock()
         # Numbers and hashes differ between otherwise identical errors (sizes, request ids).
-        key = (path, re.sub(r"[0-9a-f]*\d[0-9a-f.]*", "#", error))
-        seen = self._seen.get(key)
-        if seen is not None and now - seen.at < self.interval_s:
-            seen.suppressed += 1
-            return None
-        if len(self._seen) > 512:
-            self._seen = {k: s for k, s in self._seen.items() if now - s.at < self.interval_s}
-        self._seen[key] = _Seen(now)
-        return seen.suppressed if seen is not None else 0
+        passed = self._limiter.admit((path, re.sub(r"[0-9a-f]*\d[0-9a-f.]*", "#", error)))
+        return None if passed is None else passed[0]
 
     def warning(self, path: str, error: str, fmt: str, *args: Any) -> None:
         """A warning, at most once per path and distinct error per ``interval_s``."""
@@ -256,7 +243,11 @@ class UploadQueue:
 
     def _start(self, item: Item) -> None:
         item.attempts += 1
-        fut = in_daemon_thread(self._upload_and_verify, item, name=f"upload:{item.remote_path}")
+        # A daemon thread: one upload hung on a dead target must not keep the finished agent
+        # (and the box's bill) alive; the ledger is persisted, abandoning it loses nothing.
+        fut = in_daemon_thread(
+            self._upload_and_verify, item, name=f"sync-upload:{item.remote_path}"
+        )
         flight = _Flight(item, fut, self._clock())
         self._in_flight[item.remote_path] = flight
         task = asyncio.create_task(self._watch(flight), name=f"upload:{item.remote_path}")
@@ -277,7 +268,7 @@ class UploadQueue:
         except SinkError as exc:
             self._failed(item, str(exc), retryable=exc.retryable, retry_after_s=exc.retry_after_s)
         except OSError as exc:  # a sink that lets EMFILE/ENOSPC through: retried like any other
-            self._failed(item, describe(exc))
+            self._failed(item, os_error(exc))
         except Exception as exc:  # a sink bug must not kill the queue
             error = f"{type(exc).__name__}: {exc}"
             if self._throttle.allow(f"crash:{item.remote_path}", error) is not None:
@@ -396,9 +387,8 @@ class UploadQueue:
             unlink_quietly(item.local)
 
     def backoff(self, attempts: int) -> float:
-        """Exponential backoff with full jitter: ~1s, 2s, 4s ... capped at ``max_backoff_s``."""
-        base = min(self.cfg.max_backoff_s, 1.0 * (2 ** max(attempts - 1, 0)))
-        return float(base * self._rng.uniform(0.5, 1.0))
+        """Exponential backoff with jitter: ~1s, 2s, 4s ... capped at ``max_backoff_s``."""
+        return backoff.delay_s(attempts, first_s=1.0, cap_s=self.cfg.max_backoff_s, rng=self._rng)
 
     # ---------------------------------------------------------------- control
 
@@ -430,23 +420,3 @@ class UploadQueue:
                 await task
         if self.ledger.dirty:
             self.ledger.persist()
-
-
-def in_daemon_thread(
-    fn: Callable[..., Any], *args: Any, name: str
-) -> concurrent.futures.Future[Any]:
-    """Run ``fn`` in a daemon thread. Not a ThreadPoolExecutor: its threads are joined at
-    interpreter exit, so one upload hung on a dead Hub would keep the finished agent (and the
-    box's bill) alive. The ledger is persisted; abandoning such a thread loses nothing."""
-    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def target() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:
-            fut.set_exception(exc)
-
-    threading.Thread(target=target, name=f"sync-{name}", daemon=True).start()
-    return fut

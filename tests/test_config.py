@@ -404,12 +404,186 @@ def test_good_listen(listen: str, host: str, port: int) -> None:
     assert server.loopback
 
 
-@pytest.mark.parametrize("provider", ["vast", "runpod", "lambda", "command"])
-def test_planned_provider_says_not_built_yet(provider: str) -> None:
-    exc = config_error(with_section("teardown", {"provider": provider}))
+# --------------------------------------------------------------------------------------------
+# [teardown]: providers
+
+
+@pytest.mark.parametrize("provider", ["vast", "runpod", "none"])
+def test_providers_with_stop_take_the_defaults(provider: str) -> None:
+    teardown = parse(with_section("teardown", {"provider": provider})).teardown
+    assert teardown.provider == provider
+    assert (teardown.on_success, teardown.on_failure) == ("destroy", "stop")
+    assert teardown.can_stop
+
+
+def test_unknown_provider_lists_the_built_ones() -> None:
+    exc = config_error(with_section("teardown", {"provider": "aws"}))
     assert_names_key(exc, "teardown.provider")
-    assert "not built yet" in str(exc)
-    assert provider in str(exc)
+    for name in ("vast", "runpod", "lambda", "command", "none"):
+        assert name in str(exc)
+
+
+@pytest.mark.parametrize("key", ["on_success", "on_failure", "on_preflight_failure"])
+def test_lambda_refuses_stop_with_the_reason(key: str) -> None:
+    values = {"provider": "lambda", "on_failure": "keep", key: "stop"}
+    exc = config_error(with_section("teardown", values))
+    assert_names_key(exc, f"teardown.{key}")
+    assert "Lambda has no stop: use destroy (gated: an unverified sync keeps the box) or keep" in (
+        str(exc)
+    )
+
+
+def test_lambda_refuses_the_default_on_failure_stop_saying_it_is_the_default() -> None:
+    exc = config_error(with_section("teardown", {"provider": "lambda"}))
+    assert_names_key(exc, "teardown.on_failure")
+    assert "(the default)" in str(exc)
+
+
+def test_lambda_with_destroy_and_keep() -> None:
+    teardown = parse(
+        with_section("teardown", {"provider": "lambda", "on_failure": "keep"})
+    ).teardown
+    assert teardown.provider == "lambda" and not teardown.can_stop
+
+
+def test_command_provider() -> None:
+    teardown = parse(
+        with_section(
+            "teardown",
+            {
+                "provider": "command",
+                "command": ["gcloud", "compute", "instances", "delete", "vm 1", "--quiet"],
+                "stop_command": ["gcloud", "compute", "instances", "stop", "vm 1"],
+                "command_timeout": "90s",
+            },
+        )
+    ).teardown
+    assert teardown.command == ("gcloud", "compute", "instances", "delete", "vm 1", "--quiet")
+    assert teardown.stop_command[3] == "stop"
+    assert teardown.command_timeout_s == 90.0
+    assert teardown.can_stop
+
+
+def test_command_timeout_defaults_to_five_minutes() -> None:
+    teardown = parse(
+        with_section("teardown", {"provider": "command", "command": ["true"], "on_failure": "keep"})
+    ).teardown
+    assert teardown.command_timeout_s == 300.0
+    assert not teardown.can_stop
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "words"),
+    [
+        ({"provider": "command", "on_failure": "keep"}, "teardown.command", "is required"),
+        (
+            {"provider": "command", "command": "shutdown -h now", "on_failure": "keep"},
+            "teardown.command",
+            "list of strings",
+        ),
+        ({"provider": "command", "command": [], "on_failure": "keep"}, "teardown.command", "list"),
+        (
+            {"provider": "command", "command": ["ok", 3], "on_failure": "keep"},
+            "teardown.command",
+            "item 1",
+        ),
+        (
+            {"provider": "command", "command": ["", "x"], "on_failure": "keep"},
+            "teardown.command",
+            "item 0",
+        ),
+        (
+            {"provider": "command", "command": ["a\nb"], "on_failure": "keep"},
+            "teardown.command",
+            "single line",
+        ),
+        ({"provider": "command", "command": ["true"]}, "teardown.on_failure", "stop_command"),
+        ({"provider": "vast", "command": ["true"]}, "teardown.command", "only used by"),
+        ({"provider": "none", "stop_command": ["true"]}, "teardown.stop_command", "only used by"),
+        ({"provider": "vast", "command_timeout": "1m"}, "teardown.command_timeout", "only used"),
+        (
+            {"provider": "command", "command": ["x"], "on_failure": "keep", "command_timeout": 0},
+            "teardown.command_timeout",
+            "positive",
+        ),
+        ({"provider": "vast", "instance_id": "../999"}, "teardown.instance_id", "letters"),
+        ({"provider": "vast", "instance_id": "12/34"}, "teardown.instance_id", "letters"),
+        ({"provider": "none", "instance_id": "1234"}, "teardown.instance_id", "only used by"),
+        ({"provider": "vast", "api_url": "ftp://proxy"}, "teardown.api_url", "http"),
+        ({"provider": "vast", "api_url": "http://"}, "teardown.api_url", "with a host"),
+        ({"provider": "vast", "api_url": "https://h/x?y=1"}, "teardown.api_url", "query"),
+        ({"provider": "vast", "api_url": "http://[::1"}, "teardown.api_url", "not a valid URL"),
+        ({"provider": "vast", "api_url": "https://h:99999"}, "teardown.api_url", "valid URL"),
+        (
+            {"provider": "vast", "api_url": "https://proxy/api/v0/"},
+            "teardown.api_url",
+            "before /api/v0",
+        ),
+        ({"provider": "runpod", "api_url": "https://p/v2"}, "teardown.api_url", "before /v2"),
+        (
+            {"provider": "lambda", "api_url": "https://p/api/v1", "on_failure": "keep"},
+            "teardown.api_url",
+            "before /api/v1",
+        ),
+        ({"provider": "none", "api_url": "https://p"}, "teardown.api_url", "only used by"),
+    ],
+)
+def test_bad_provider_settings_are_named(values: dict[str, Any], key: str, words: str) -> None:
+    exc = config_error(with_section("teardown", values))
+    assert_names_key(exc, key)
+    assert words in str(exc)
+
+
+def test_api_url_with_credentials_is_refused_without_echoing_them() -> None:
+    exc = config_error(
+        with_section("teardown", {"provider": "vast", "api_url": "https://me:s3cr3t@proxy"})
+    )
+    assert_names_key(exc, "teardown.api_url")
+    assert "s3cr3t" not in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("provider", "url"),
+    [
+        ("vast", "https://console.vast.ai"),
+        ("runpod", "http://127.0.0.1:8080/runpod/"),
+        ("lambda", "https://cloud.lambdalabs.com"),
+    ],
+)
+def test_api_url_and_instance_id(provider: str, url: str) -> None:
+    values = {"provider": provider, "api_url": url, "instance_id": "a1b2-c3.d4_e5"}
+    if provider == "lambda":
+        values["on_failure"] = "keep"
+    teardown = parse(with_section("teardown", values)).teardown
+    assert teardown.api_url == url.rstrip("/")
+    assert teardown.instance_id == "a1b2-c3.d4_e5"
+
+
+def test_env_reads_provider_variables_and_hides_the_keys() -> None:
+    env = Env.from_environ(
+        {
+            "CONTAINER_ID": "1234",
+            "CONTAINER_API_KEY": "ck-secret-1\n",
+            "VAST_API_KEY": "vk-secret-2",
+            "RUNPOD_POD_ID": "pod9",
+            "RUNPOD_API_KEY": "rk-secret-3",
+            "LAMBDA_API_KEY": "lk-secret-4",
+            "HF_TOKEN": "hf_secret_5",
+        }
+    )
+    assert (env.container_id, env.runpod_pod_id) == ("1234", "pod9")
+    assert env.container_api_key == "ck-secret-1"  # a pasted newline would break the header
+    assert dict(env.secrets()) == {
+        "HF_TOKEN": "hf_secret_5",
+        "CONTAINER_API_KEY": "ck-secret-1",
+        "VAST_API_KEY": "vk-secret-2",
+        "RUNPOD_API_KEY": "rk-secret-3",
+        "LAMBDA_API_KEY": "lk-secret-4",
+    }
+    assert "secret" not in repr(env)
+    empty = Env.from_environ({"CONTAINER_API_KEY": "  ", "RUNPOD_POD_ID": ""})
+    assert empty.container_api_key is None and empty.runpod_pod_id is None
+    assert empty.secrets() == ()
 
 
 def test_huge_integer_budget_is_a_config_error_not_an_overflow() -> None:
@@ -886,11 +1060,26 @@ KNOWN_KEYS: dict[str, list[str]] = {
         "finish_timeout",
     ],
     "limits": ["max_runtime", "stall_timeout", "budget_usd", "price_usd_per_hour"],
-    "teardown": ["provider", "on_success", "on_failure", "on_preflight_failure"],
+    "teardown": [
+        "provider",
+        "on_success",
+        "on_failure",
+        "on_preflight_failure",
+        "api_url",
+        "instance_id",
+        "command",
+        "stop_command",
+        "command_timeout",
+    ],
     "server": ["listen", "allow_remote"],
     "preflight": ["enabled", "allow_cpu", "timeout"],
 }
 INTERESTING_STRINGS = [
+    "vast",
+    "lambda",
+    "command",
+    "stop",
+    "https://proxy/api/v0",
     "",
     " ",
     "12h",
@@ -1671,3 +1860,28 @@ def test_load_job_raises_only_config_error_for_random_documents(
 @given(st.binary(max_size=300))
 def test_load_job_raises_only_config_error_for_random_bytes(fuzz_dir: Path, data: bytes) -> None:
     check_load(fuzz_dir / "job.toml", data)
+
+
+# ---------------------------------------------------------------------- the real price
+
+
+def test_auto_price_is_read_from_the_provider() -> None:
+    doc = with_section("limits", {"price_usd_per_hour": "auto", "budget_usd": 20})
+    doc["teardown"] = {"provider": "vast"}
+    limits = parse(doc).limits
+    assert limits.price_auto and limits.price_usd_per_hour is None and limits.budget_usd == 20
+
+
+def test_auto_price_needs_a_provider_that_reports_one() -> None:
+    exc = config_error(with_section("limits", {"price_usd_per_hour": "auto"}))
+    assert_names_key(exc, "limits.price_usd_per_hour")
+    assert "'auto' needs a provider that reports the price" in str(exc)
+
+
+def test_a_price_cap_needs_a_price_and_a_price_that_is_not_a_word_is_refused() -> None:
+    exc = config_error(with_section("limits", {"max_price_usd_per_hour": 3}))
+    assert_names_key(exc, "limits.max_price_usd_per_hour")
+    exc = config_error(with_section("limits", {"price_usd_per_hour": "cheap"}))
+    assert_names_key(exc, "limits.price_usd_per_hour")
+    exc = config_error(with_section("limits", {"storage_usd_per_gb_month": -1}))
+    assert_names_key(exc, "limits.storage_usd_per_gb_month")

@@ -111,11 +111,11 @@ def write_status(run_dir: Path, state: str, done: int, *, error: str | None = No
 
 
 def make(
-    tmp: Path, limits: str = "", *, obeys_stop: bool = True
+    tmp: Path, limits: str = "", *, obeys_stop: bool = True, extra: str = ""
 ) -> tuple[Daemon, FakeTrainer, FakeLauncher, Clock]:
     data = tmp / "data.yaml"
     data.write_text("train: images\nval: images\nnames:\n  0: box\n")
-    job = tiny_job(tmp, data, sections=f"[limits]\n{limits}\n" if limits else "")
+    job = tiny_job(tmp, data, sections=(f"[limits]\n{limits}\n" if limits else "") + extra)
     trainer = FakeTrainer(tmp / "runs" / "run1", obeys_stop=obeys_stop)
     launcher = FakeLauncher(trainer)
     clock = Clock()
@@ -249,3 +249,68 @@ def test_a_long_staging_does_not_count_as_a_stall(tmp_path: Path) -> None:
 
     assert asyncio.run(main()) == 0
     assert daemon.state.reason == Reason.COMPLETED
+
+
+class PricedProvider:
+    """A provider stand-in that only reports a price and records what it is asked to do."""
+
+    name = "vast"
+    can_stop = True
+
+    def __init__(self, price: float) -> None:
+        self.price = price
+        self.actions: list[str] = []
+
+    async def identify(self) -> Any:
+        from agent.providers import Identity
+
+        return Identity("vast", "1234", "CONTAINER_ID", "running", "vast instance 1234", self.price)
+
+    async def teardown(self, action: str, reason: str, *, on_sent: Any = None) -> Any:
+        from agent.providers import TeardownResult
+
+        self.actions.append(action)
+        if on_sent is not None:
+            on_sent(f"{action} sent")
+        return TeardownResult(action, True, True, f"{action} confirmed")  # type: ignore[arg-type]
+
+    async def confirm(self, action: str) -> Any:
+        raise AssertionError("nothing was sent before")
+
+    async def read_back(self, action: str) -> Any:
+        return None
+
+    async def price_usd_per_hour(self) -> float | None:
+        return self.price
+
+
+def test_an_auto_price_from_the_provider_drives_the_budget_and_the_money_in_status(
+    tmp_path: Path,
+) -> None:
+    daemon, trainer, _, clock = make(
+        tmp_path,
+        "budget_usd = 1\nprice_usd_per_hour = 'auto'",
+        extra='[teardown]\nprovider = "vast"\n',
+    )
+    provider = PricedProvider(3.6)
+    daemon.provider_factory = lambda cfg, env: provider  # type: ignore[assignment,return-value]
+    seen: dict[str, Any] = {}
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        await started(daemon)
+        write_status(trainer.run_dir, "running", 1)
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs == 1)
+        clock.now += 500.0
+        seen["money"] = daemon.status_dict()["money"]
+        clock.now += 500.5  # $1.00 at $3.60/h: 1000 s
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()) == 0
+    assert daemon.state.price_usd_per_hour == 3.6
+    assert daemon.state.reason == Reason.BUDGET
+    assert seen["money"]["price_usd_per_hour"] == 3.6
+    assert seen["money"]["price_from_provider"] is True
+    assert abs(seen["money"]["spent_usd"] - 0.5) < 1e-6
+    assert provider.actions == ["stop"]
+    assert daemon.state.teardown is not None and daemon.state.teardown["instance_id"] == "1234"

@@ -15,9 +15,10 @@ before making room for it (staging replaces an earlier tree only once the new ar
 calls :func:`plan_unpack`, then :func:`unpack`. Nothing here knows where the archive came from:
 every failure is an :class:`ArchiveError` whose message is one line that says what to do.
 
-The parts, lowest first (each imports only those above it; none imports the rest of the agent):
+The parts, lowest first (each imports only those above it; of the rest of the agent, only the
+base modules :mod:`agent.text` and :mod:`agent.disk`, which import nothing of it):
 
-* :mod:`~agent.archive.errors`: ``ArchiveError``, ``UnsafeArchiveError``, how messages name things.
+* :mod:`~agent.archive.errors`: ``ArchiveError``, ``UnsafeArchiveError``, how messages name members.
 * :mod:`~agent.archive.formats`: the formats we unpack, by suffix, and what a bad one raises.
 * :mod:`~agent.archive.plan`: every member listed and checked (names, kinds, duplicates, links,
   name lengths, the expansion cap), nothing written: :func:`plan_unpack`.
@@ -45,7 +46,8 @@ from agent.archive.plan import (
     plan_unpack,
     scratch_prefix,
 )
-from agent.archive.write import DEFAULT_HEADROOM, disk_free, leftovers, unpack
+from agent.archive.write import DEFAULT_HEADROOM, leftovers, unpack
+from agent.disk import disk_free
 
 __all__ = [
     "DEFAULT_HEADROOM",

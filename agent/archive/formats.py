@@ -9,7 +9,8 @@ import zlib
 from enum import Enum
 from pathlib import Path
 
-from agent.archive.errors import ArchiveError, one_line
+from agent.archive.errors import ArchiveError
+from agent.text import one_line
 
 #: Archive suffixes we unpack, by format.
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz", ".tar.xz", ".txz")

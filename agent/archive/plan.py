@@ -18,8 +18,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from agent.archive.errors import ArchiveError, UnsafeArchiveError, fmt_bytes, name_problems, show
+from agent.archive.errors import ArchiveError, UnsafeArchiveError, name_problems
 from agent.archive.formats import LIST_ERRORS, ArchiveFormat, require_format, unreadable
+from agent.disk import nearest_existing
+from agent.text import format_bytes, show
 
 #: Default cap on unpacked bytes per archive byte. Images and most label files barely compress
 #: (a real dataset archive unpacks to 1-3x its size); a run of zeros gzips about 1000x.
@@ -179,8 +181,8 @@ def _check_expansion(archive: Path, plan: UnpackPlan, max_ratio: float) -> None:
     if plan.file_bytes > cap:
         raise ArchiveError(
             f"archive {archive.name} expands past {max_ratio:g} times its size: its members "
-            f"declare {plan.file_bytes:,} bytes ({fmt_bytes(plan.file_bytes)}) from "
-            f"{archive_bytes:,} bytes ({fmt_bytes(archive_bytes)}), more than the "
+            f"declare {plan.file_bytes:,} bytes ({format_bytes(plan.file_bytes)}) from "
+            f"{archive_bytes:,} bytes ({format_bytes(archive_bytes)}), more than the "
             f"{cap:,.0f}-byte cap; nothing was unpacked; this is how a decompression bomb looks: "
             "check the archive, and if the data really compresses this well upload it as an "
             "uncompressed .tar"
@@ -281,7 +283,7 @@ def _check_clashes(entries: list[Entry]) -> list[tuple[Entry, str]]:
                 problems.append(
                     (
                         e,
-                        f"lies below {show(prefix.path)}, which is a {prefix.kind.noun}, "
+                        f"lies below {show(prefix.path, 80)}, which is a {prefix.kind.noun}, "
                         "not a folder",
                     )
                 )
@@ -298,17 +300,9 @@ def scratch_prefix(dest: Path) -> str:
     return f".{dest.name}.unpacking-"
 
 
-def existing_ancestor(path: Path) -> Path:
-    """``path`` or its nearest existing ancestor (where a new directory will be created)."""
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    return probe
-
-
 def _check_lengths(archive: Path, entries: list[Entry], dest: Path) -> None:
     """Refuse names the file system at ``dest`` cannot hold (ENAMETOOLONG), before writing."""
-    probe = existing_ancestor(dest.parent)
+    probe = nearest_existing(dest.parent)
     name_max = _pathconf(probe, "PC_NAME_MAX", _NAME_MAX)
     path_max = _pathconf(probe, "PC_PATH_MAX", _PATH_MAX)
     # Members are written below ".<dest.name>.unpacking-XXXXXXXX/" next to dest.
@@ -385,18 +379,18 @@ def _check_links(entries: list[Entry]) -> list[tuple[Entry, str]]:
         for i in range(1, len(parts)):
             prefix = "/".join(parts[:i])
             if prefix in links:
-                problems.append((e, f"lies below the symlink {show(prefix)}"))
+                problems.append((e, f"lies below the symlink {show(prefix, 80)}"))
                 break
         if e.kind is Kind.SYMLINK:
             if not e.target:
                 problems.append((e, "is a symlink with an empty target"))
             elif e.target.startswith("/"):
-                problems.append((e, f"is a symlink to the absolute path {show(e.target)}"))
+                problems.append((e, f"is a symlink to the absolute path {show(e.target, 80)}"))
             elif _resolve(parts[:-1], e.target, links, [0]) is None:
                 problems.append(
                     (
                         e,
-                        f"is a symlink that points outside the destination ({show(e.target)})",
+                        f"is a symlink that points outside the destination ({show(e.target, 80)})",
                     )
                 )
         elif e.kind is Kind.HARDLINK:
@@ -405,14 +399,14 @@ def _check_links(entries: list[Entry]) -> list[tuple[Entry, str]]:
                 problems.append(
                     (
                         e,
-                        f"is a hardlink that points outside the destination ({show(e.target)})",
+                        f"is a hardlink that points outside the destination ({show(e.target, 80)})",
                     )
                 )
             elif target not in files_so_far:
                 problems.append(
                     (
                         e,
-                        f"is a hardlink to {show(e.target)}, which is not an earlier file of "
+                        f"is a hardlink to {show(e.target, 80)}, which is not an earlier file of "
                         "the archive",
                     )
                 )

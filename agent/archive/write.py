@@ -16,9 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from agent.archive.errors import ArchiveError, UnsafeArchiveError, fmt_bytes, percent, show
+from agent.archive.errors import ArchiveError, UnsafeArchiveError, percent
 from agent.archive.formats import READ_ERRORS, ArchiveFormat, unreadable
-from agent.archive.plan import Entry, Kind, UnpackPlan, existing_ancestor, normalize, scratch_prefix
+from agent.archive.plan import Entry, Kind, UnpackPlan, normalize, scratch_prefix
+from agent.disk import disk_free, nearest_existing
+from agent.text import format_bytes, show
 
 #: Default free-disk rule: an unpack needs what it writes times this, and stops when writing
 #: would eat into the rest. The preflight's 30 % (``agent.preflight.DISK_HEADROOM``, which
@@ -26,11 +28,6 @@ from agent.archive.plan import Entry, Kind, UnpackPlan, existing_ancestor, norma
 DEFAULT_HEADROOM = 1.3
 #: Bytes read and written at a time while unpacking; the budget is checked per chunk.
 _CHUNK = 1 << 20
-
-
-def disk_free(path: Path) -> int:
-    """Free bytes on the file system holding ``path`` (the default free-space reader)."""
-    return shutil.disk_usage(path).free
 
 
 def leftovers(dest: Path) -> list[Path]:
@@ -78,7 +75,7 @@ class _Budget:
         if n > member_left or self.written + n > self.limit:
             raise ArchiveError(
                 f"archive {self.archive.name} expands past the {self.limit:,} bytes its members "
-                f"declare: member {show(entry.name)} gave more than its header says; nothing "
+                f"declare: member {show(entry.name, 80)} gave more than its header says; nothing "
                 "was unpacked; the archive is corrupt or hostile, rebuild it"
             )
         self.unchecked += n
@@ -90,7 +87,7 @@ class _Budget:
         if free - n < self.reserve:
             raise ArchiveError(
                 f"the disk filled up while unpacking {self.archive.name} ({self.written:,} of "
-                f"{self.limit:,} bytes written): {free:,} bytes ({fmt_bytes(free)}) are free on "
+                f"{self.limit:,} bytes written): {free:,} bytes ({format_bytes(free)}) are free on "
                 f"{self.probe}, less than the {percent(self.headroom)} headroom kept for "
                 "training; nothing was unpacked; find what else writes there, free some space "
                 "or rent a bigger disk"
@@ -113,15 +110,15 @@ def unpack(
     there (a record of what was unpacked) appears together with the tree, or not at all.
     """
     archive, dest = plan.archive, plan.dest
-    probe = existing_ancestor(dest.parent)
+    probe = nearest_existing(dest.parent)
     free = free_space(probe)
     needed = math.ceil(plan.disk_bytes * headroom)
     if needed > free:
         raise ArchiveError(
             f"not enough disk space to unpack {archive.name} into {dest}: needs "
-            f"{plan.disk_bytes:,} bytes ({fmt_bytes(plan.disk_bytes)}) plus "
+            f"{plan.disk_bytes:,} bytes ({format_bytes(plan.disk_bytes)}) plus "
             f"{percent(headroom)} headroom ({needed:,} bytes) but only {free:,} bytes "
-            f"({fmt_bytes(free)}) are free on {probe}; free some space or rent a bigger disk"
+            f"({format_bytes(free)}) are free on {probe}; free some space or rent a bigger disk"
         )
     budget = _Budget(
         archive,
@@ -255,7 +252,7 @@ def _write_error(archive: Path, tmp: Path, fmt: ArchiveFormat, exc: OSError) -> 
             "rent a bigger disk"
         )
     if exc.errno == errno.ENAMETOOLONG:
-        where = show(os.path.relpath(exc.filename, tmp)) if exc.filename else "a member"
+        where = show(os.path.relpath(exc.filename, tmp), 80) if exc.filename else "a member"
         return ArchiveError(
             f"a member name of {archive.name} is too long for the file system at {tmp.parent} "
             f"({where}, ENAMETOOLONG); nothing was unpacked; shorten the names and rebuild the "

@@ -11,11 +11,11 @@ child runs, this process reads the NVIDIA driver (NVML, else ``nvidia-smi``) and
 for the dataset's size and whether ``HF_TOKEN`` is valid, each under its own timeout; the local
 checks (disk, ``/dev/shm``, RAM, CPUs, ``HF_HOME``'s volume) take milliseconds.
 
-The parts, lowest first (each imports only those above it):
+The parts, lowest first (each imports only those above it, and of the rest of the agent only the
+base modules: ``config``, ``hub``, and the helpers ``threads``, ``text`` and ``disk``):
 
 * :mod:`~agent.preflight.report`: ``Check``, ``CheckStatus``, the report and its table.
 * :mod:`~agent.preflight.plan`: what the job asks for (``train.device``, LibreYOLO's defaults).
-* :mod:`~agent.preflight.threads`: blocking calls in daemon threads, under a timeout.
 * :mod:`~agent.preflight.runner`, :mod:`~agent.preflight.driver`, :mod:`~agent.preflight.cuda`:
   the CUDA side (the probe's child process, the NVIDIA driver, the verdicts on GPUs).
 * :mod:`~agent.preflight.host`: the host side (disk, volumes, shm, RAM, CPUs, cgroups); its
@@ -31,6 +31,7 @@ import sys
 import time
 
 from agent.config import Env, Job
+from agent.preflight.cloud import provider_check
 from agent.preflight.cuda import (
     GPU_FREE_MEMORY_MIN_FRACTION,
     MATMUL_N,
@@ -100,10 +101,10 @@ from agent.preflight.report import (
     GiB,
     MiB,
     PreflightReport,
-    format_bytes,
     format_table,
 )
 from agent.preflight.runner import KILL_GRACE_S, PROBE_PATH, run_probe
+from agent.text import format_bytes
 
 __all__ = [
     "AUTO_BATCH_PER_GPU",
@@ -197,6 +198,7 @@ async def run_preflight(
         )
         driver_task = tg.create_task(read_driver(min(DRIVER_TIMEOUT_S, plan.timeout_s)))
         hub_task = tg.create_task(hub_facts(plan, env, min(HUB_TIMEOUT_S, plan.timeout_s)))
+        cloud_task = tg.create_task(provider_check(job, env, plan.timeout_s))
     probe = probe_task.result()
     hub = hub_task.result()
 
@@ -206,6 +208,9 @@ async def run_preflight(
     ranks = plan.ranks(visible)
     checks += host_checks(plan, env, hub.dataset_size, ranks)
     checks += hub_checks(plan, env, hub)
+    cloud = cloud_task.result()
+    if cloud is not None:
+        checks.append(cloud)
     report = PreflightReport(tuple(checks), time.monotonic() - t0)
     failed = ", ".join(c.name for c in report.failures()) or "-"
     log.debug(

@@ -29,11 +29,11 @@ from agent.preflight.report import (
     Check,
     CheckStatus,
     first_line,
-    format_bytes,
     make_check,
     strip_exc_type,
 )
 from agent.preflight.runner import ProbeResult
+from agent.text import format_bytes
 
 #: Side of the square matmul each GPU must get right.
 MATMUL_N = 2000

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from agent.preflight.report import FAIL, PASS, WARN, Check, first_line, make_check
 from agent.preflight.runner import kill_group
-from agent.preflight.threads import in_thread
+from agent.threads import in_thread
 
 #: Seconds the driver query (NVML, else nvidia-smi) may take.
 DRIVER_TIMEOUT_S = 15.0

@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from agent.config import Env
+from agent.disk import disk_free, nearest_existing
 from agent.preflight.plan import (
     AUTO_BATCH_PER_GPU,
     DEFAULT_BATCH,
@@ -40,7 +41,8 @@ from agent.preflight.plan import (
     DEFAULT_WORKERS,
     Plan,
 )
-from agent.preflight.report import FAIL, PASS, WARN, Check, GiB, format_bytes, make_check
+from agent.preflight.report import FAIL, PASS, WARN, Check, GiB, make_check
+from agent.text import format_bytes
 
 #: The 30 % headroom rule: a location needs what it will hold times this.
 DISK_HEADROOM = 1.3
@@ -92,7 +94,7 @@ def host_checks(plan: Plan, env: Env, dataset_bytes: int | None, ranks: int) -> 
             )
     checks = evaluate_disk([n for n in needs if n.path in usage], usage, strict=not plan.generic)
     checks += unmeasured
-    checks.append(evaluate_hf_home(hf_home, mounts, resolved=nearest_existing(hf_home)))
+    checks.append(evaluate_hf_home(hf_home, mounts, resolved=nearest_existing(hf_home).resolve()))
 
     try:
         shm: int | None = shutil.disk_usage("/dev/shm").total
@@ -245,20 +247,12 @@ def mount_of(path: Path, mounts: Sequence[MountInfo]) -> MountInfo | None:
     return best
 
 
-def nearest_existing(path: Path) -> Path:
-    """``path`` resolved, or its nearest existing parent when it does not exist yet."""
-    p = path.expanduser().absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p.resolve()
-
-
 def fs_usage(path: Path, mounts: Sequence[MountInfo] = ()) -> FsUsage:
     """Free space where ``path`` is (or will be created: its nearest existing parent)."""
-    p = nearest_existing(path)
+    p = nearest_existing(path).resolve()
     st = os.stat(p)
     m = mount_of(p, mounts)
-    return FsUsage(st.st_dev, m.mountpoint if m else str(p), shutil.disk_usage(p).free)
+    return FsUsage(st.st_dev, m.mountpoint if m else str(p), disk_free(p))
 
 
 def evaluate_disk(

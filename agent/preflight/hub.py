@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from agent.config import Env
 from agent.preflight.plan import Plan
-from agent.preflight.report import FAIL, PASS, WARN, Check, format_bytes, make_check
-from agent.preflight.threads import in_thread
+from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
+from agent.text import format_bytes
+from agent.threads import in_thread
 
 #: Seconds each Hub call (dataset metadata, token check) may take.
 HUB_TIMEOUT_S = 30.0

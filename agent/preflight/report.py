@@ -125,16 +125,6 @@ def make_check(
 # Small formatting helpers
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> "1.5 KiB"``; binary units, one decimal."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def first_line(text: str) -> str:
     """The first non-blank line of ``text``, stripped."""
     for line in text.splitlines():

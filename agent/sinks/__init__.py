@@ -53,6 +53,7 @@ class Sink(Protocol):
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

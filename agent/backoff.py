@@ -1,0 +1,22 @@
+"""How long to wait before trying again: exponential, capped, jittered."""
+
+from __future__ import annotations
+
+import random
+
+#: Doublings past this many change nothing (any cap is reached long before); a retry count that
+#: grows for days must not overflow a float.
+_MAX_DOUBLINGS = 64
+
+_rng = random.Random()
+
+
+def delay_s(
+    attempt: int, *, first_s: float, cap_s: float, rng: random.Random | None = None
+) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (1 for the first): ``first_s``,
+    twice that, four times... capped at ``cap_s``, then scaled by a random factor in [0.5, 1] so
+    that retries of many clients (or items) spread out. Never more than the cap."""
+    doublings = min(max(attempt - 1, 0), _MAX_DOUBLINGS)
+    base = min(cap_s, first_s * 2**doublings)
+    return float(base * (rng or _rng).uniform(0.5, 1.0))

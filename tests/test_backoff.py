@@ -1,0 +1,18 @@
+"""How long to wait before trying again: exponential, capped, jittered."""
+
+from __future__ import annotations
+
+import random
+
+from agent.backoff import delay_s
+
+
+def test_delay_doubles_with_jitter_and_is_capped() -> None:
+    rng = random.Random(1)
+    for attempt in range(1, 40):
+        base = min(60.0, 5.0 * 2 ** (attempt - 1))
+        assert base * 0.5 <= delay_s(attempt, first_s=5.0, cap_s=60.0, rng=rng) <= base
+
+
+def test_a_retry_count_that_grew_for_days_does_not_overflow() -> None:
+    assert 150.0 <= delay_s(10_000, first_s=1.0, cap_s=300.0) <= 300.0
