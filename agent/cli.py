@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, demo, logutil
-from .config import ConfigError, Env, Job, ServerSection, load_job
+from .config import ConfigError, Env, Job, ServerSection
+from .jobfile import load_job
 from .state import RunState, StateStore
 
 if TYPE_CHECKING:
@@ -105,9 +106,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.job:
         job = _load(args.job)
         env = Env.from_environ()
-        from . import guard
+        from . import guardplan
 
-        guard.check_environ()  # a typo in the guard's variables is exit 2, not a crash
+        guardplan.check_environ()  # a typo in the guard's variables is exit 2, not a crash
     else:
         demo_root = Path(args.demo_dir or demo.DEMO_DIR).resolve()
         job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)

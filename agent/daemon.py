@@ -15,21 +15,21 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import guard, hub, logutil, restart, signals, staging, teardown
+from . import guardplan, hub, logutil, restart, signals, staging, teardown
 from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
-from .crashpoints import crashpoint
-from .limits import check_limits
-from .providers import Provider, ProviderError, make_provider
+from .limits import check_limits, effective_limits, read_price
+from .providers import Provider, make_provider
 from .rundir import (
     RunStatus,
     RunWatcher,
+    find_dead_run_dir,
     find_run_dir,
     read_status,
+    run_dir_from_result,
 )
 from .server import StatusServer
 from .signals import Flags
@@ -48,12 +48,12 @@ from .sync import AGENT_FILES, SyncEngine
 from .text import os_error
 from .trainer import (
     Launcher,
-    Outcome,
     ProcessLauncher,
     TrainerError,
     TrainerProcess,
     classify,
     read_result,
+    start_once,
 )
 
 log = logging.getLogger("agent.daemon")
@@ -150,6 +150,8 @@ class Daemon:
             os.close(lock)
             signals.remove()
             raise
+        # agent.log travels with the checkpoints: no secret may ever be written to it.
+        logutil.redact_secrets(self.env.secrets())
         # 1,024 descriptors (a common default) ran out under a flood of idle connections.
         logutil.raise_fd_limit()
         try:
@@ -186,11 +188,11 @@ class Daemon:
         if resume_at is None:
             return 0
         if self.start_guard:  # the safety net if this agent dies for good (agent/guard.py)
-            plan = guard.write_plan(self.env.state_dir, self.job, self.state.started_at)
+            plan = guardplan.write_plan(self.env.state_dir, self.job, self.state.started_at)
             self._spawn(
-                guard.heartbeat_task(self.env.state_dir, plan.heartbeat_every_s), "heartbeat"
+                guardplan.heartbeat_task(self.env.state_dir, plan.heartbeat_every_s), "heartbeat"
             )
-            guard.ensure_running(self.env.state_dir)
+            guardplan.ensure_running(self.env.state_dir)
         if self.job.sync is not None:
             sink = self._sink or make_sink(self.job.sync, self.env)
             self.sync = SyncEngine(sink, self.job.sync, state_dir=self.env.state_dir)
@@ -415,55 +417,40 @@ class Daemon:
         return self._classify_and_reason(trainer.exit_code, stop_reason)
 
     async def _launch_or_adopt(self) -> Reason | None:
-        """Start the trainer, safe against this agent being killed at any instant: the launch
-        id is saved before the spawn and the pid right after; a restarted agent that finds an
-        id without a pid adopts the process carrying that id instead of launching a second
-        trainer. Returns a reason only when the launch failed."""
-        launch = self.state.launch
-        if launch is not None:
-            orphan = await asyncio.to_thread(
-                self.launcher.find_launched, str(launch["id"]), list(launch["argv"])
-            )
-            if orphan is not None:
-                self.trainer = orphan
-                self.state.trainer = orphan.record
-                self._save()
-                return None
-            log.warning(
-                "a previous agent started a launch (id %s) but no such trainer runs; launching",
-                launch["id"],
-            )
+        """Start the trainer, safe against this agent being killed at any instant
+        (:func:`trainer.start_once`). Returns a reason only when the launch failed."""
+
+        def record_intent(launch: dict[str, Any]) -> None:
+            self.state.launch = launch
+            self._save(required=True)  # no launch that a restarted agent could not find
+
         try:
-            argv = self.launcher.argv(self.job)
-            launch_id = uuid.uuid4().hex
-            self.state.launch = {"id": launch_id, "argv": argv, "at": self.clock()}
-            self._save(required=True)
-            self.trainer = await self.launcher.launch(
-                argv,
+            self.trainer = await start_once(
+                self.launcher,
+                self.job,
+                intent=self.state.launch,
+                record_intent=record_intent,
                 log_path=self.store.path("trainer.log"),
                 result_path=self.store.path("trainer-result.json"),
-                cwd=self.job.job.runs_dir,
-                launch_id=launch_id,
+                now=self.clock(),
             )
         except (TrainerError, OSError) as exc:
-            message = str(exc) if isinstance(exc, TrainerError) else os_error(exc, filename=True)
+            message = str(exc) if isinstance(exc, TrainerError) else os_error(exc)
             self.state.cause = f"cannot start the trainer: {message}"
             log.error("%s", self.state.cause)
             return Reason.TRAINING_FAILED
-        crashpoint("after-launch")
         self.state.trainer = self.trainer.record
         self._save()
         return None
 
     def _find_dead_run_dir(self) -> None:
-        """The trainer died with the previous agent: find its run dir from the state file, else
-        by the pid its status.json names, else from its json result."""
-        if self.run_dir is not None or self.state.trainer is None:
-            return
+        """The trainer died with the previous agent: its run dir from the state file, else by
+        the pid its status.json names, else from its json result."""
         rec = self.state.trainer
-        self.run_dir = find_run_dir(
-            self.job.job.runs_dir, {rec.pid}, newer_than=rec.started_at - 5
-        ) or _run_dir_from_result(read_result(self.store.path("trainer-result.json")))
+        if self.run_dir is not None or rec is None:
+            return
+        result = read_result(self.store.path("trainer-result.json"))
+        self.run_dir = find_dead_run_dir(self.job.job.runs_dir, rec.pid, rec.started_at, result)
         if self.run_dir is not None:
             log.info("run directory of the dead trainer: %s", self.run_dir)
             rec.run_dir = str(self.run_dir)
@@ -480,22 +467,14 @@ class Daemon:
     def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
         result = read_result(self.store.path("trainer-result.json"))
         if self.run_dir is None and self.state.trainer is not None:
-            self.run_dir = _run_dir_from_result(result)
+            self.run_dir = run_dir_from_result(result)
         if self.run_dir is not None:
             self.status = read_status(self.run_dir) or self.status
-        outcome: Outcome = classify(
-            exit_code, self.status, result, stop_requested=stop_reason is not None
-        )
+        outcome = classify(exit_code, self.status, result, stop_requested=stop_reason is not None)
         self.state.outcome = outcome.to_dict()
         log.info("trainer outcome: %s (%s)", outcome.kind, outcome.message)
-        if stop_reason is not None:
-            self.state.cause = self.breach_message or f"stop requested; trainer {outcome.kind}"
-            return stop_reason
-        if outcome.completed:
-            self.state.cause = outcome.message
-            return Reason.COMPLETED
-        self.state.cause = f"trainer {outcome.kind}: {outcome.message}"
-        return Reason.TRAINING_FAILED
+        reason, self.state.cause = outcome.reason(stop_reason, self.breach_message)
+        return reason
 
     async def _follow(self, launched_at: float) -> None:
         """Read the run dir (found by pid) and feed new epochs to the sync policy."""
@@ -592,7 +571,7 @@ class Daemon:
                 "action": action,
                 "why": why,
                 "started_at": self.clock(),
-                "instance_id": await self._instance_id(provider),
+                "instance_id": await teardown.instance_id(provider),
             }
             self._save(required=True)  # irreversible steps are recorded as started first
         result = await teardown.carry_out(
@@ -611,37 +590,13 @@ class Daemon:
 
     def limits(self) -> LimitsSection:
         """The job's limits, with the provider's real price where the job says ``auto``."""
-        lim = self.job.limits
-        if lim.price_auto and self.state.price_usd_per_hour is not None:
-            return dataclasses.replace(lim, price_usd_per_hour=self.state.price_usd_per_hour)
-        return lim
+        return effective_limits(self.job.limits, self.state.price_usd_per_hour)
 
     async def _read_price(self) -> None:
-        """``price_usd_per_hour = "auto"``: the price preflight read, else ask the provider."""
-        if not self.job.limits.price_auto or self.state.price_usd_per_hour is not None:
-            return
-        for check in (self.preflight_report or {}).get("checks", []):
-            price = (check.get("details") or {}).get("price_usd_per_hour")
-            if str(check.get("name", "")).startswith("provider.") and price is not None:
-                self.state.price_usd_per_hour = float(price)
-        if self.state.price_usd_per_hour is None:
-            provider = self.provider_factory(self.job.teardown, self.env)
-            try:
-                self.state.price_usd_per_hour = await provider.price_usd_per_hour()
-            except ProviderError as exc:
-                log.warning("cannot read this box's price: %s", exc)
-        if self.state.price_usd_per_hour is None:
-            log.warning("price_usd_per_hour = 'auto', but the provider reports no price: no budget")
-        else:
-            log.info("this box costs $%.4f/h (from the provider)", self.state.price_usd_per_hour)
-
-    async def _instance_id(self, provider: Provider) -> str | None:
-        """This box's id at the provider, for the record (a restart reads back that one)."""
-        try:
-            return (await provider.identify()).instance_id
-        except ProviderError as exc:
-            log.warning("teardown: cannot identify this instance: %s", exc)
-            return None
+        if self.job.limits.price_auto and self.state.price_usd_per_hour is None:
+            self.state.price_usd_per_hour = await read_price(
+                self.preflight_report, lambda: self.provider_factory(self.job.teardown, self.env)
+            )
 
     def _teardown_action(
         self, reason: Reason, *, can_stop: bool = True
@@ -764,9 +719,3 @@ class Daemon:
                 limits=self.limits(),
             )
         )
-
-
-def _run_dir_from_result(result: dict[str, Any] | None) -> Path | None:
-    if result and isinstance(result.get("save_dir"), str):
-        return Path(result["save_dir"])
-    return None

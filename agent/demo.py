@@ -11,7 +11,8 @@ import struct
 import zlib
 from pathlib import Path
 
-from .config import Job, parse_job
+from .config import Job
+from .jobfile import parse_job
 
 #: Where the demo puts everything, relative to the current directory.
 DEMO_DIR = Path("libreyolo-agent-demo")

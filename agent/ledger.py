@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -26,7 +26,7 @@ from .text import os_error
 log = logging.getLogger("agent.sync")
 
 
-class ItemKind(str, Enum):
+class ItemKind(StrEnum):
     """What a stored file is; written as its value in the ledger."""
 
     LAST = "last"  #: ``weights/last.pt`` (or ``last.at-exit.pt``)
@@ -36,7 +36,7 @@ class ItemKind(str, Enum):
     AGENT = "agent"  #: a file of the agent's state directory, stored under ``agent/``
 
 
-class LedgerStatus(str, Enum):
+class LedgerStatus(StrEnum):
     """Where one entry stands; written as its value in the ledger."""
 
     PENDING = "pending"  #: queued or being retried; not on the target as far as we know

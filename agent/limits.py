@@ -8,10 +8,17 @@ count); the stall timeout from the last progress of the run.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .config import LimitsSection, format_duration
+from .providers import Provider, ProviderError
 from .state import Reason
+
+log = logging.getLogger("agent.daemon")
 
 
 @dataclass(frozen=True)
@@ -59,3 +66,32 @@ def deadlines(cfg: LimitsSection, *, job_started_at: float) -> dict[str, float |
         "budget_at": budget_at,
         "stall_timeout_s": cfg.stall_timeout_s,
     }
+
+
+def effective_limits(cfg: LimitsSection, price_usd_per_hour: float | None) -> LimitsSection:
+    """``cfg`` with the provider's real price where the job says ``auto``."""
+    if cfg.price_auto and price_usd_per_hour is not None:
+        return dataclasses.replace(cfg, price_usd_per_hour=price_usd_per_hour)
+    return cfg
+
+
+async def read_price(
+    preflight_report: Mapping[str, Any] | None, provider: Callable[[], Provider]
+) -> float | None:
+    """``price_usd_per_hour = "auto"``: the price preflight read from the provider, else ask
+    the provider now (preflight may be off). None, with a warning, when it reports none."""
+    price: float | None = None
+    for check in (preflight_report or {}).get("checks", []):
+        found = (check.get("details") or {}).get("price_usd_per_hour")
+        if str(check.get("name", "")).startswith("provider.") and found is not None:
+            price = float(found)
+    if price is None:
+        try:
+            price = await provider().price_usd_per_hour()
+        except ProviderError as exc:
+            log.warning("cannot read this box's price: %s", exc)
+    if price is None:
+        log.warning("price_usd_per_hour = 'auto', but the provider reports no price: no budget")
+    else:
+        log.info("this box costs $%.4f/h (from the provider)", price)
+    return price

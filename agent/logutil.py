@@ -162,8 +162,43 @@ def _append_to_first_line(record: logging.LogRecord, text: str) -> None:
     record.msg = first + text + newline + rest
 
 
-#: The filter :func:`install` shares between handlers.
+class RedactFilter(logging.Filter):
+    """Replaces every secret the agent read from the environment (HF_TOKEN, provider keys) by
+    ``<VARIABLE>`` in each record, its arguments and its traceback, before any handler writes
+    it: the backstop behind each module's own redaction, since agent.log is uploaded with the
+    checkpoints. Secrets shorter than 6 characters are not matched (too many false hits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: tuple[tuple[str, str], ...] = ()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.secrets:
+            return True
+        message = record.getMessage()
+        cleaned = self._clean(message)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        exc_text = self._clean(record.exc_text) if record.exc_text else record.exc_text
+        if cleaned != message or exc_text != record.exc_text:
+            record.msg, record.args, record.exc_text = cleaned, None, exc_text
+        return True
+
+    def _clean(self, text: str) -> str:
+        for name, value in self.secrets:
+            if len(value) >= 6:
+                text = text.replace(value, f"<{name}>")
+        return text
+
+
+#: The filters :func:`install` shares between handlers.
 rate_limit = RateLimitFilter()
+redact = RedactFilter()
+
+
+def redact_secrets(secrets: Iterable[tuple[str, str]]) -> None:
+    """Redact these ``(variable, value)`` pairs in every handler :func:`install` covers."""
+    redact.secrets = tuple((n, v) for n, v in secrets if v)
 
 
 def install(handler: logging.Handler, *, libraries: Iterable[str] = LIBRARY_LOGGERS) -> None:
@@ -172,6 +207,8 @@ def install(handler: logging.Handler, *, libraries: Iterable[str] = LIBRARY_LOGG
     Call it for every handler the agent logs to (the stderr one, ``agent.log``); undo it with
     :func:`uninstall` before closing the handler.
     """
+    if redact not in handler.filters:
+        handler.addFilter(redact)  # first: the rate limiter keys on the redacted text
     if rate_limit not in handler.filters:
         handler.addFilter(rate_limit)
     for name in libraries:
@@ -183,6 +220,7 @@ def install(handler: logging.Handler, *, libraries: Iterable[str] = LIBRARY_LOGG
 def uninstall(handler: logging.Handler, *, libraries: Iterable[str] = LIBRARY_LOGGERS) -> None:
     """Undo :func:`install` for ``handler``."""
     handler.removeFilter(rate_limit)
+    handler.removeFilter(redact)
     for name in libraries:
         logging.getLogger(name).removeHandler(handler)
 

@@ -219,3 +219,18 @@ class RunWatcher:
             self._observer.stop()
             self._observer.join(timeout=5)
             self._started = False
+
+
+def run_dir_from_result(result: dict[str, Any] | None) -> Path | None:
+    """``save_dir`` of the trainer's ``json=true`` result."""
+    if result and isinstance(result.get("save_dir"), str):
+        return Path(result["save_dir"])
+    return None
+
+
+def find_dead_run_dir(
+    runs_dir: Path, pid: int, started_at: float, result: dict[str, Any] | None
+) -> Path | None:
+    """The run dir of a trainer that is gone: the one whose status.json names its pid (written
+    after it started), else its json result's ``save_dir``."""
+    return find_run_dir(runs_dir, {pid}, newer_than=started_at - 5) or run_dir_from_result(result)

@@ -14,15 +14,16 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("agent.state")
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     BOOTING = "BOOTING"  #: the agent started; reading the job and any previous state
     PREFLIGHT = "PREFLIGHT"  #: proving the machine can train (GPU, disk, shm, token)
     STAGING = "STAGING"  #: downloading and unpacking the dataset
@@ -38,7 +39,7 @@ class Phase(str, Enum):
         return self in (Phase.DONE, Phase.FAILED)
 
 
-class Reason(str, Enum):
+class Reason(StrEnum):
     COMPLETED = "completed"  #: training finished all its epochs
     TRAINING_FAILED = "training_failed"  #: the trainer exited with an error or was killed
     PREFLIGHT_FAILED = "preflight_failed"  #: the box or the inputs (dataset) cannot train
@@ -201,6 +202,32 @@ class StateDirLocked(Exception):
         self.holder = holder
 
 
+def lock_with_pid(
+    path: Path, *, tries: int = 1, held: Callable[[str], Exception] = StateDirLocked
+) -> int:
+    """Take ``path``'s exclusive flock, held as long as the returned descriptor is open, and
+    write this process's pid inside. ``tries`` attempts, 50 ms apart; then raises
+    ``held(holder)``, the holder's pid as it wrote it (``"?"`` when empty). Raises OSError
+    when the file cannot be opened. The agent's ``agent.lock`` and the guard's ``guard.lock``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if attempt + 1 < tries:
+                time.sleep(0.05)
+    else:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise held(holder)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class StateStore:
     """The state directory: ``state.json``, the sync ledger, reports, ``agent.log``, ``token``."""
 
@@ -225,18 +252,7 @@ class StateStore:
         """One agent per state directory (two would both drive, and stop, the same trainer):
         an exclusive flock held as long as the returned descriptor is open. Raises
         :class:`StateDirLocked` naming the holder's pid."""
-        fd = os.open(self.path("agent.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            finally:
-                os.close(fd)
-            raise StateDirLocked(holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
+        return lock_with_pid(self.path("agent.lock"))
 
     def log_handler(self) -> logging.FileHandler:
         """agent.log, appended, mode 0600: it names paths and errors of the user's run."""

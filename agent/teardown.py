@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import JobSection, TeardownAction, TeardownSection, as_action
 from .crashpoints import crashpoint
-from .providers import Provider, TeardownResult
+from .providers import Provider, ProviderError, TeardownResult
 from .state import Reason, RunState
 
 log = logging.getLogger("agent.daemon")
@@ -121,3 +121,12 @@ async def carry_out(
 
     crashpoint("teardown-sending")
     return await provider.teardown(action, reason.value, on_sent=on_sent)
+
+
+async def instance_id(provider: Provider) -> str | None:
+    """This box's id at the provider, for the record (a restart reads back that one)."""
+    try:
+        return (await provider.identify()).instance_id
+    except ProviderError as exc:
+        log.warning("teardown: cannot identify this instance: %s", exc)
+        return None

@@ -16,22 +16,25 @@ import os
 import signal
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
 from .config import Job, TrainValue
+from .crashpoints import crashpoint
 from .rundir import RunStatus, pid_alive
-from .state import TrainerRecord
+from .state import Reason, TrainerRecord
 from .trainargs import find_libreyolo
 
 log = logging.getLogger("agent.trainer")
 
 
-class OutcomeKind(str, Enum):
+class OutcomeKind(StrEnum):
     COMPLETED = "completed"  #: trained all its epochs
     INTERRUPTED = "interrupted"  #: stopped with SIGINT (LibreYOLO's clean stop)
     OOM = "oom"  #: out of memory (CUDA or host)
@@ -104,6 +107,15 @@ class Outcome:
     @property
     def completed(self) -> bool:
         return self.kind == OutcomeKind.COMPLETED
+
+    def reason(self, stop_reason: Reason | None, breach: str | None) -> tuple[Reason, str]:
+        """Why the run ended, and the one-line cause: the stop's reason when the agent stopped
+        it (a limit's message, or the stop request), else completed or training_failed."""
+        if stop_reason is not None:
+            return stop_reason, breach or f"stop requested; trainer {self.kind.value}"
+        if self.completed:
+            return Reason.COMPLETED, self.message
+        return Reason.TRAINING_FAILED, f"trainer {self.kind.value}: {self.message}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "exit_code": self.exit_code, "message": self.message}
@@ -513,3 +525,42 @@ class ProcessLauncher:
     def find_launched(self, launch_id: str, argv: list[str]) -> TrainerProcess | None:
         proc = find_launched(launch_id)
         return Trainer.adopt(proc, argv) if proc is not None else None
+
+
+async def start_once(
+    launcher: Launcher,
+    job: Job,
+    *,
+    intent: dict[str, Any] | None,
+    record_intent: Callable[[dict[str, Any]], None],
+    log_path: Path,
+    result_path: Path,
+    now: float,
+) -> TrainerProcess:
+    """Start ``job``'s trainer, safe against the agent being killed at any instant: the launch
+    id is recorded (``record_intent``, a durable save) before the spawn, and the caller records
+    the pid right after. A restarted agent that finds an ``intent`` without a pid adopts the
+    process carrying that id instead of launching a second trainer. Raises TrainerError or
+    OSError when nothing could be started."""
+    if intent is not None:
+        orphan = await asyncio.to_thread(
+            launcher.find_launched, str(intent["id"]), list(intent["argv"])
+        )
+        if orphan is not None:
+            return orphan
+        log.warning(
+            "a previous agent started a launch (id %s) but no such trainer runs; launching",
+            intent["id"],
+        )
+    argv = launcher.argv(job)
+    launch_id = uuid.uuid4().hex
+    record_intent({"id": launch_id, "argv": argv, "at": now})
+    trainer = await launcher.launch(
+        argv,
+        log_path=log_path,
+        result_path=result_path,
+        cwd=job.job.runs_dir,
+        launch_id=launch_id,
+    )
+    crashpoint("after-launch")
+    return trainer

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.config import Job, parse_job
+from agent.config import Job
+from agent.jobfile import parse_job
 
 
 def tiny_job(

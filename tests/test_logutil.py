@@ -279,3 +279,33 @@ def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one_capped_and_logs_onc
     (first, _, now, _), err = _raise_in_child(cap, 300)
     assert first == now == cap
     assert "raised" not in err
+
+
+def test_secrets_from_the_environment_never_reach_a_handler(tmp_path: Path) -> None:
+    # agent.log is uploaded with the checkpoints: the last line of defence is a filter that
+    # knows every secret the agent read, whatever module logged it and however.
+    secret = "hf_SECRETTOKEN0123456789"
+    key = "vast-KEY-abcdefghijklmnop"
+    path = tmp_path / "agent.log"
+    handler = logging.FileHandler(path)
+    logutil.install(handler)
+    logutil.redact_secrets([("HF_TOKEN", secret), ("VAST_API_KEY", key), ("X", "")])
+    log = logging.getLogger("agent.test.redact")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("token %s and key %s", secret, key)
+        log.error("plain " + secret)
+        try:
+            raise RuntimeError(f"Authorization: Bearer {key}")
+        except RuntimeError:
+            log.exception("a call failed")
+    finally:
+        log.removeHandler(handler)
+        logutil.uninstall(handler)
+        logutil.redact_secrets([])
+        handler.close()
+    text = path.read_text()
+    assert secret not in text and key not in text
+    assert "token <HF_TOKEN> and key <VAST_API_KEY>" in text
+    assert "Bearer <VAST_API_KEY>" in text  # the traceback too

@@ -24,7 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.config import Env, Job, job_from_dict
+from agent.config import Env, Job
+from agent.jobfile import job_from_dict
 from agent.preflight import FAIL, PASS, WARN, Check, PreflightReport, format_table, run_preflight
 
 STANDIN = str(Path(__file__).parent / "fakes" / "torch_standin")
@@ -116,7 +117,8 @@ def test_real_torch_cpu_allowed_warns_and_generic_check_fails(tmp_path: Path) ->
     script = (
         "import asyncio, json, sys\n"
         "from pathlib import Path\n"
-        "from agent.config import Env, job_from_dict\n"
+        "from agent.config import Env\n"
+        "from agent.jobfile import job_from_dict\n"
         "from agent.preflight import format_table, run_preflight\n"
         "job = job_from_dict(json.loads(sys.argv[1]))\n"
         "env = Env(hf_home=Path(sys.argv[2]), hf_endpoint='http://127.0.0.1:9')\n"

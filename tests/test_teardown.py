@@ -112,6 +112,10 @@ def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
         assert methods == ["PUT"]
         assert all("/1234/" in path for _, path, _ in fake.mutations())
         assert fake.instance("999") is not None
+        # The key is in no file the agent wrote (state, log, ledger, reports, guard plan).
+        for path in env.state_dir.rglob("*"):
+            if path.is_file():
+                assert KEY not in path.read_text(errors="replace"), path
 
 
 @requires_libreyolo

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent import demo
-from agent.config import parse_job
+from agent.jobfile import parse_job
 from agent.train_entry import _with_devices, split_device
 from agent.trainer import build_argv, uses_python_api
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from agent.rundir import RunStatus, effective_state, pid_alive, read_status
-from agent.state import TrainerRecord
+from agent.state import Reason, TrainerRecord
 from agent.trainer import (
     Outcome,
     OutcomeKind,
@@ -515,3 +515,15 @@ def test_stop_an_attached_trainer_with_sigint(
     st = read_status(run_dir)
     assert st is not None and st.error_type == "KeyboardInterrupt"
     assert classify(None, st, None).kind == "interrupted"
+
+
+def test_an_outcome_names_its_kind_as_a_word_in_causes_and_logs() -> None:
+    # Seen in review: a (str, Enum) formats as "OutcomeKind.KILLED" in an f-string, so causes
+    # read "trainer OutcomeKind.KILLED: ...". The vocabularies are StrEnums: the word itself.
+    outcome = Outcome(OutcomeKind.KILLED, -9, "killed by SIGKILL")
+    reason, cause = outcome.reason(None, None)
+    assert reason == Reason.TRAINING_FAILED
+    assert cause == "trainer killed: killed by SIGKILL"
+    assert f"{outcome.kind}" == "killed"
+    _, stopped = outcome.reason(Reason.STOPPED_BY_USER, None)
+    assert stopped == "stop requested; trainer killed"

@@ -6,7 +6,7 @@ import lzma
 import tarfile
 import zipfile
 import zlib
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from agent.archive.errors import ArchiveError
@@ -18,7 +18,7 @@ ZIP_SUFFIXES = (".zip",)
 SUPPORTED_FORMATS = ".tar, .tar.gz/.tgz, .tar.bz2, .tar.xz or .zip"
 
 
-class ArchiveFormat(str, Enum):
+class ArchiveFormat(StrEnum):
     TAR = "tar"  #: a tar archive, uncompressed or gzip, bzip2 or xz compressed
     ZIP = "zip"  #: a zip archive
 

@@ -14,7 +14,7 @@ import tarfile
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ _NAME_MAX = 255
 _PATH_MAX = 4096
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """What a member is, once it passed the checks."""
 
     FILE = "file"  #: a regular file

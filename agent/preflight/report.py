@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 GiB = 1024**3
 MiB = 1024**2
 
 
-class CheckStatus(str, Enum):
+class CheckStatus(StrEnum):
     """A check's verdict; ``preflight.json`` carries the value."""
 
     PASS = "pass"  #: fine as it is

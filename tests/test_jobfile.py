@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.config import (
-    MAX_JOB_FILE_BYTES,
     ConfigError,
     ConfigErrors,
     DataCheckSection,
@@ -29,10 +28,13 @@ from agent.config import (
     SyncSection,
     TeardownSection,
     TrainSection,
+    parse_duration,
+)
+from agent.jobfile import (
+    MAX_JOB_FILE_BYTES,
     check_train_options,
     job_from_dict,
     load_job,
-    parse_duration,
     parse_job,
 )
 from agent.trainargs import TrainOptions, installed_train_options
