@@ -274,3 +274,15 @@ def test_default_timing_is_bounded() -> None:
     assert 0 < t.connect_timeout_s <= t.request_timeout_s <= 60
     assert t.retry_s <= 600 and t.confirm_s <= 900
     assert dataclasses.replace(t, retry_s=1).retry_s == 1
+
+
+def test_a_404_that_is_not_vasts_own_answer_never_reads_as_destroyed(vast: FakeVast) -> None:
+    # A wrong teardown.api_url (or a proxy) answers every path with a bare 404 page. Read as
+    # "no such instance", that would record a destroy as confirmed while the box still bills.
+    cfg = TeardownSection(provider="vast", api_url=vast.url + "/not-the-api")
+    env = Env(container_id="1234", container_api_key=INSTANCE_KEY)
+    wrong = VastProvider(cfg, env, timing=fast_timing(retry_s=0.5, confirm_s=0.5))
+    result = asyncio.run(wrong.teardown("destroy", "completed"))
+    assert not result.confirmed, result.detail
+    assert vast.instance("1234") is not None
+    assert asyncio.run(wrong.read_back("destroy")) is None

@@ -100,6 +100,13 @@ class Reply:
     uncertain: bool = False
 
 
+def gone_404(reply: Reply) -> bool:
+    """A 404 that means "no such instance": the provider's own JSON error body. A 404 without
+    one (a proxy, a wrong ``teardown.api_url``) says nothing about the instance, and must never
+    be read as "destroyed" - that would end the record of a box that still bills."""
+    return reply.status == 404 and isinstance(reply.data, Mapping)
+
+
 def done(action: TeardownAction, reading: Reading) -> bool:
     """Whether ``reading`` shows ``action`` took effect: destroy needs gone; stop, stopped or
     gone."""

@@ -25,7 +25,7 @@ import psutil
 from ..config import Env, TeardownAction, TeardownSection
 from ..jobvalues import instance_id_problem
 from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, Timing, number
+from .api import ApiProvider, Client, Reading, Sent, Timing, gone_404, number
 
 
 def local_names() -> frozenset[str]:
@@ -159,7 +159,7 @@ class LambdaProvider(ApiProvider):
         what = f"lambda: read instance {instance_id}"
         path = f"/api/v1/instances/{self.id_in_path(instance_id)}"
         reply = await api.request("GET", path, what, deadline=deadline)
-        if reply.status == 404:
+        if gone_404(reply):
             return Reading("gone", f"not found ({api.describe(reply)})")
         data = reply.data.get("data") if isinstance(reply.data, Mapping) else None
         if reply.status != 200 or not isinstance(data, Mapping):
@@ -173,7 +173,7 @@ class LambdaProvider(ApiProvider):
         # Only ever the one id identified: the key can terminate every instance of the account.
         body = {"instance_ids": [self.id_in_path(instance_id)]}
         reply = await api.request("POST", "/api/v1/instance-operations/terminate", what, body=body)
-        if reply.status == 404:
+        if gone_404(reply):
             return Sent("gone", f"{api.describe(reply)}: the instance no longer exists")
         if reply.status != 200:
             return Sent("refused", api.describe(reply), reply.uncertain)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ..config import TeardownAction
 from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, number
+from .api import ApiProvider, Client, Reading, Sent, gone_404, number
 
 
 class RunPodProvider(ApiProvider):
@@ -52,7 +52,7 @@ class RunPodProvider(ApiProvider):
     async def _read(self, api: Client, instance_id: str, deadline: float | None) -> Reading:
         what = f"runpod: read pod {instance_id}"
         reply = await api.request("GET", self._path(instance_id), what, deadline=deadline)
-        if reply.status == 404:
+        if gone_404(reply):
             return Reading("gone", f"not found ({api.describe(reply)})")
         data = reply.data
         if reply.status != 200 or not isinstance(data, Mapping) or "status" not in data:
@@ -77,7 +77,7 @@ class RunPodProvider(ApiProvider):
                 reply = await api.request(
                     "POST", path + "/action", what, body={"action": "terminate"}
                 )
-                if not 200 <= reply.status < 300 and reply.status != 404:
+                if not 200 <= reply.status < 300 and not gone_404(reply):
                     return Sent(
                         "refused",
                         f"DELETE {first}; action terminate {api.describe(reply)}",
@@ -86,7 +86,7 @@ class RunPodProvider(ApiProvider):
         else:
             what = f"runpod: stop pod {instance_id}"
             reply = await api.request("POST", path + "/action", what, body={"action": "stop"})
-        if reply.status == 404:
+        if gone_404(reply):
             return Sent("gone", f"{api.describe(reply)}: the pod no longer exists")
         if 200 <= reply.status < 300:
             return Sent("accepted", f"answered HTTP {reply.status}")

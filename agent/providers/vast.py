@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from ..config import TeardownAction
 from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, number
+from .api import ApiProvider, Client, Reading, Sent, gone_404, number
 
 #: ``actual_status`` values of a stopped instance: vastai 1.9.1 accepts either.
 _STOPPED = ("exited", "stopped")
@@ -67,7 +67,7 @@ class VastProvider(ApiProvider):
         reply = await api.request(
             "GET", self._path(instance_id) + "?owner=me", what, deadline=deadline
         )
-        if reply.status == 404:
+        if gone_404(reply):
             return Reading("gone", f"not found ({api.describe(reply)})")
         data = reply.data
         if reply.status != 200 or not isinstance(data, Mapping) or "instances" not in data:
@@ -102,7 +102,7 @@ class VastProvider(ApiProvider):
         what = f"vast: {action} instance {instance_id}"
         reply = await api.request(method, self._path(instance_id), what, body=body)
         data = reply.data
-        if reply.status == 404:
+        if gone_404(reply):
             return Sent("gone", f"{api.describe(reply)}: the instance no longer exists")
         if 200 <= reply.status < 300:
             if isinstance(data, Mapping) and data.get("success") is False:
