@@ -40,7 +40,6 @@ from .state import (
     RunState,
     StateDirLocked,
     StateStore,
-    atomic_write_json,
     transition,
 )
 from .status import StatusInputs, status_document
@@ -57,9 +56,6 @@ from .trainer import (
 )
 
 log = logging.getLogger("agent.daemon")
-
-#: How long a failed preflight/staging waits to get its report off the box before teardown.
-REPORT_SYNC_TIMEOUT_S = 120.0
 
 
 class AgentError(Exception):
@@ -300,7 +296,7 @@ class Daemon:
 
         report, cause = await preflight.run_and_log(self.job, self.env)
         self.preflight_report = report.to_dict()
-        self._write_report("preflight.json", self.preflight_report)
+        self.store.write_report("preflight.json", self.preflight_report)
         if cause is not None:
             self.state.cause = cause
         return cause is None
@@ -317,7 +313,7 @@ class Daemon:
             self.state.cause = outcome.cause
         if outcome.report is not None:
             self.staging_report = outcome.report
-            self._write_report("staging.json", outcome.report)
+            self.store.write_report("staging.json", outcome.report)
         return outcome.ok
 
     async def _training(self) -> Reason | None:
@@ -545,9 +541,7 @@ class Daemon:
         if self.sync is None or self.job.sync is None:
             return
         self._save()
-        await self.sync.final(None, None, self._agent_files())
-        if not await self.sync.drain(min(self.job.sync.finish_timeout_s, REPORT_SYNC_TIMEOUT_S)):
-            log.warning("the failure report could not be uploaded in time; tearing down anyway")
+        await self.sync.send_reports(self._agent_files())
 
     async def _teardown_phase(self, reason: Reason, *, resumed: bool = False) -> int:
         if not resumed:
@@ -616,11 +610,11 @@ class Daemon:
     # ------------------------------------------------------------------ plumbing
 
     async def _start_server(self) -> None:
-        token = self.store.token()
+        cfg = self.job.server
         self.server = StatusServer(
-            self.job.server.host,
-            self.job.server.port,
-            token=token,
+            cfg.host,
+            cfg.port,
+            token=self.store.token(),
             status=self.status_dict,
             actions={"stop": self._request_stop},
         )
@@ -628,10 +622,10 @@ class Daemon:
             port = await self.server.start()
         except OSError as exc:
             raise AgentError(
-                f"cannot listen on {self.job.server.host}:{self.job.server.port}: "
-                f"{exc.strerror or exc}; set [server] listen to a free port"
+                f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; "
+                "set [server] listen to a free port"
             ) from exc
-        self.state.server = {"host": self.job.server.host, "port": port}
+        self.state.server = {"host": cfg.host, "port": port}
 
     async def _request_stop(self) -> dict[str, Any]:
         assert self.flags is not None
@@ -675,13 +669,6 @@ class Daemon:
         # 4. The HTTP server goes last, so /status stays answerable as long as possible.
         if self.server is not None:
             await self.server.stop()
-
-    def _write_report(self, name: str, data: dict[str, Any]) -> None:
-        """A report is worth keeping, not worth crashing for (a full disk): log and go on."""
-        try:
-            atomic_write_json(self.store.path(name), data)
-        except OSError as exc:
-            log.error("cannot write %s: %s", name, os_error(exc, filename=True))
 
     def _save(self, *, required: bool = False) -> None:
         """Persist the state. Out of disk the agent keeps supervising with the state in memory

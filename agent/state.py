@@ -20,6 +20,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from .text import os_error
+
 log = logging.getLogger("agent.state")
 
 
@@ -263,6 +265,14 @@ class StateStore:
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         return handler
+
+    def write_report(self, name: str, data: Any) -> None:
+        """A report (preflight.json, staging.json) is worth keeping, not worth crashing for (a
+        full disk): log and go on."""
+        try:
+            atomic_write_json(self.path(name), data)
+        except OSError as exc:
+            log.error("cannot write %s: %s", name, os_error(exc, filename=True))
 
     def load(self) -> RunState | None:
         try:

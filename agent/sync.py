@@ -59,6 +59,9 @@ __all__ = [
 
 log = logging.getLogger("agent.sync")
 
+#: How long a failed preflight/staging waits to get its report off the box before teardown.
+REPORT_SYNC_TIMEOUT_S = 120.0
+
 #: Extra files from the state directory that ride along under ``agent/`` in the target.
 AGENT_FILES = ("state.json", "trainer.log", "preflight.json", "staging.json", "agent.log")
 #: At most one warning line per path and distinct error in this many seconds.
@@ -454,6 +457,15 @@ class SyncEngine:
         return files
 
     # ---------------------------------------------------------------- verification
+
+    async def send_reports(self, extra_files: Iterable[Path]) -> bool:
+        """A box that failed before training is usually destroyed at once: get the reason off
+        it first (preflight/staging report, agent.log, state.json), within a short wait."""
+        await self.final(None, None, extra_files)
+        if await self.drain(min(self.cfg.finish_timeout_s, REPORT_SYNC_TIMEOUT_S)):
+            return True
+        log.warning("the failure report could not be uploaded in time; tearing down anyway")
+        return False
 
     async def finish(
         self,
