@@ -225,7 +225,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# ------------------------------------------------------------------------------ status / stop
+# ------------------------------------------------------------------- status / stop / steering
 
 
 def _read_state(state_dir: Path) -> RunState | None:
@@ -253,10 +253,12 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, Path]:
     return f"http://{host}:{port}", state_dir
 
 
-def _http(method: str, url: str, token: str | None = None) -> dict[str, Any]:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def _http(method: str, url: str, token: str | None = None, body: bytes = b"") -> dict[str, Any]:
+    req = urllib.request.Request(url, method=method, data=body if method == "POST" else None)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    if body:
+        req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=10) as resp:
         data: dict[str, Any] = json.loads(resp.read())
         return data
@@ -373,7 +375,27 @@ def cmd_status(args: argparse.Namespace) -> int:
             print()
 
 
-def cmd_stop(args: argparse.Namespace) -> int:
+def _refusal(exc: urllib.error.HTTPError, path: str) -> str:
+    """What the agent said when it refused a control request: its own message when it gave one
+    (a steering error, a missing token), else the HTTP status."""
+    try:
+        answer = json.loads(exc.read())
+    except (OSError, ValueError):
+        answer = None
+    if isinstance(answer, dict):
+        said = answer.get("message") or answer.get("error")
+        if isinstance(said, str) and said:
+            return said
+    if exc.code in (404, 405):
+        return (
+            f"the agent has no POST {path} (HTTP {exc.code}): it is an older version; upgrade "
+            "it, or check --url"
+        )
+    return f"the agent refused: HTTP {exc.code}"
+
+
+def _post_action(args: argparse.Namespace, name: str, body: str = "") -> int:
+    """``POST /<name>`` with the token from the state directory; prints the agent's answer."""
     base, state_dir = _endpoint(args)
     try:
         token = (state_dir / "token").read_text().strip()
@@ -384,15 +406,51 @@ def cmd_stop(args: argparse.Namespace) -> int:
         )
         return EXIT_FAIL
     try:
-        answer = _http("POST", f"{base}/stop", token)
+        answer = _http("POST", f"{base}/{name}", token, body.encode())
     except urllib.error.HTTPError as exc:
-        _err(f"the agent refused: HTTP {exc.code}")
+        _err(_refusal(exc, f"/{name}"))
         return EXIT_FAIL
     except (urllib.error.URLError, OSError) as exc:
         _err(f"no agent answers on {base} ({_unreachable(exc)})")
         return EXIT_FAIL
-    print(answer.get("message", "stop requested"))
+    except ValueError:
+        _err(f"{base} answered POST /{name}, but not with libreyolo-agent's JSON; check --url")
+        return EXIT_FAIL
+    print(answer.get("message", f"{name} requested"))
     return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    return _post_action(args, "stop")
+
+
+def _duration_body(text: str | None) -> str | None:
+    """The JSON body carrying ``text`` as the duration ("" for none), after checking it here
+    first (the agent checks again): None, with the mistake printed, when it is not one."""
+    from .steering import SteeringError, parse_request_duration
+
+    if text is None:
+        return ""
+    try:
+        parse_request_duration(text)
+    except SteeringError as exc:
+        _err(str(exc))
+        return None
+    return json.dumps({"duration": text.strip()})
+
+
+def cmd_extend(args: argparse.Namespace) -> int:
+    body = _duration_body(args.duration)
+    return EXIT_CONFIG if body is None else _post_action(args, "extend", body)
+
+
+def cmd_hold(args: argparse.Namespace) -> int:
+    body = _duration_body(args.duration)
+    return EXIT_CONFIG if body is None else _post_action(args, "hold", body)
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    return _post_action(args, "release")
 
 
 # ---------------------------------------------------------------------------------------- cost
@@ -460,6 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (
         ("status", cmd_status, "show the running agent's status (or an ended job's record)"),
         ("stop", cmd_stop, "stop the job: trainer gets SIGINT, final sync, teardown"),
+        ("extend", cmd_extend, "move the job's max_runtime deadline later"),
+        (
+            "hold",
+            cmd_hold,
+            "keep the box up after the run (phase HELD, nothing torn down) until release or "
+            "the hold's timeout",
+        ),
+        ("release", cmd_release, "end the hold: the teardown goes ahead"),
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument(
@@ -468,6 +534,20 @@ def build_parser() -> argparse.ArgumentParser:
             "/var/lib/libreyolo-agent)",
         )
         s.add_argument("--url", help="agent URL (default: read from the state directory)")
+        if name == "extend":
+            s.add_argument(
+                "duration",
+                metavar="DURATION",
+                help='how much later, e.g. "2h", "90m", "1h30m" or seconds (at most 30 days)',
+            )
+        elif name == "hold":
+            s.add_argument(
+                "duration",
+                metavar="DURATION",
+                nargs="?",
+                help="how long the hold lasts, from now (default: the job's "
+                "teardown.hold_timeout, 12h unless set; at most 30 days)",
+            )
         if name == "status":
             s.add_argument("--json", action="store_true", help="print the status as JSON")
             s.add_argument("--watch", action="store_true", help="repeat until the job ends")

@@ -154,8 +154,10 @@ class LimitsSection:
     #: (persisted in state.json, so a restarted agent does not get a fresh allowance):
     #: preflight and staging count. Job file: ``limits.max_runtime`` (a duration).
     max_runtime_s: float | None = None
-    #: Training counts as stalled when status.json has not moved on for this long, seconds
-    #: (counted from the last progress). Job file: ``limits.stall_timeout`` (a duration).
+    #: Training counts as stalled when no progress signal (status.json, a checkpoint, the train
+    #: log) moved for this long, seconds; the threshold grows to ``stall_epoch_factor x mean
+    #: epoch time`` once epochs are timed (agent/progress.py). Job file:
+    #: ``limits.stall_timeout`` (a duration).
     stall_timeout_s: float | None = None
     #: Stop the job once the box has cost this much (USD), counted from the agent's first boot
     #: for this job at ``price_usd_per_hour``; needs ``price_usd_per_hour`` > 0.
@@ -171,6 +173,25 @@ class LimitsSection:
     #: What the provider charges for storage (USD per GB-month), for the "stopped, the box
     #: costs" figure in /status: allocated GB x this / 720 (``libreyolo-agent cost``).
     storage_usd_per_gb_month: float | None = None
+    #: Resume a trainer that died without a clean end (crash, SIGKILL, OOM-kill, reboot,
+    #: preemption) from its own ``weights/last.pt`` at most this many times (``max_restarts``).
+    max_restarts: int = 3
+    #: Wait before the first resume, seconds; doubled for each further one, capped at 10 minutes
+    #: (``restart_backoff``, a duration).
+    restart_backoff_s: float = 10.0
+    #: The stall threshold adapts to the run: ``max(stall_timeout, stall_epoch_factor x mean
+    #: epoch time)`` once an epoch was timed (``stall_epoch_factor``).
+    stall_epoch_factor: float = 3.0
+    #: The first epoch's own allowance (data loading, compilation), seconds
+    #: (``first_epoch_timeout``, a duration). Default None: 3 x ``stall_timeout``.
+    first_epoch_timeout_s: float | None = None
+    #: Time kept before ``max_runtime`` (and budget) for the final sync, seconds
+    #: (``finish_reserve``, a duration). Default None: estimated from the observed upload speed
+    #: and the checkpoints' sizes.
+    finish_reserve_s: float | None = None
+    #: Seconds a trainer whose status.json says completed may take to exit before it is killed
+    #: as hung at exit (the run still counts as completed) (``exit_grace``, a duration).
+    exit_grace_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +227,9 @@ class TeardownSection:
     #: Seconds ``command`` / ``stop_command`` may run before they are killed
     #: (``teardown.command_timeout``, a duration; default 5 minutes).
     command_timeout_s: float = 300.0
+    #: How long ``libreyolo-agent hold`` keeps the box up after the run before the teardown goes
+    #: ahead anyway, seconds (``teardown.hold_timeout``, a duration; default 12 hours).
+    hold_timeout_s: float = 12 * 3600.0
 
     @property
     def can_stop(self) -> bool:
@@ -255,6 +279,33 @@ class PreflightSection:
     #: built for another torch before training starts, but costs about 5 s on an H200 box.
     #: Off, that mismatch still fails the first training launch at once, with LibreYOLO's message.
     deep_import: bool = False
+
+
+#: The default metadata endpoints (a job sets others for tests and proxies).
+AWS_METADATA_URL = "http://169.254.169.254"
+GCP_METADATA_URL = "http://metadata.google.internal"
+
+
+@dataclass(frozen=True)
+class PreemptionSection:
+    """Spot/preemptible notices (``[preemption]``). On a notice the agent uploads ``last.pt`` at
+    once, stops the trainer cleanly, and ends with reason ``preempted``; the next boot resumes."""
+
+    #: Watch the AWS IMDSv2 spot notice: True, False, or None (default) to detect an EC2 box
+    #: (its DMI vendor) and watch only there (``aws = true | false | "auto"``).
+    aws: bool | None = None
+    #: Watch the GCP ``instance/preempted`` flag: True, False, or None (default) to detect a
+    #: Compute Engine box (``gcp = true | false | "auto"``).
+    gcp: bool | None = None
+    #: A SIGTERM to the agent is a preemption notice (RunPod spot pods and container stops send
+    #: one): the agent saves ``last.pt`` and stops the trainer instead of leaving it running.
+    sigterm: bool = False
+    #: Base URL of the AWS instance metadata service (``aws_url``).
+    aws_url: str = AWS_METADATA_URL
+    #: Base URL of the GCP metadata server (``gcp_url``).
+    gcp_url: str = GCP_METADATA_URL
+    #: Seconds between two polls of the metadata endpoints (``poll_interval``, a duration).
+    poll_interval_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -331,5 +382,6 @@ class Job:
     teardown: TeardownSection = TeardownSection()
     server: ServerSection = ServerSection()
     preflight: PreflightSection = PreflightSection()
+    preemption: PreemptionSection = PreemptionSection()
     #: Where the job came from (a path, or ``<demo>``); for messages only.
     source: str = "<memory>"

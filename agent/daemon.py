@@ -19,18 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import guardplan, hub, logutil, restart, signals, staging, teardown
+from . import guardplan, hub, logutil, restart, signals, staging, steering, teardown
 from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
-from .limits import check_limits, effective_limits, read_price
+from .gpuhealth import GpuMonitor
+from .limits import BudgetWarner, effective_limits, read_price
+from .preemption import Notice, PreemptionWatcher
+from .progress import ProgressTracker
 from .providers import Provider, make_provider
-from .rundir import (
-    RunStatus,
-    RunWatcher,
-    find_dead_run_dir,
-    find_run_dir,
-    read_status,
-    run_dir_from_result,
-)
+from .resume import boot_id
+from .rundir import RunStatus, read_status
 from .server import StatusServer
 from .signals import Flags
 from .sinks import Sink, make_sink
@@ -43,17 +40,10 @@ from .state import (
     transition,
 )
 from .status import StatusInputs, status_document
+from .supervise import TrainingMixin
 from .sync import AGENT_FILES, SyncEngine
 from .text import os_error
-from .trainer import (
-    Launcher,
-    ProcessLauncher,
-    TrainerError,
-    TrainerProcess,
-    classify,
-    read_result,
-    start_once,
-)
+from .trainer import Launcher, Outcome, ProcessLauncher, TrainerProcess
 
 log = logging.getLogger("agent.daemon")
 
@@ -62,7 +52,7 @@ class AgentError(Exception):
     """The agent cannot go on (state directory unusable, job/state mismatch...)."""
 
 
-class Daemon:
+class Daemon(TrainingMixin):
     def __init__(
         self,
         job: Job,
@@ -77,11 +67,13 @@ class Daemon:
         launcher: Launcher | None = None,
         sink: Sink | None = None,
         provider_factory: Callable[[TeardownSection, Env], Provider] = make_provider,
+        gpu: GpuMonitor | None = None,
     ) -> None:
         """The collaborators come from outside, so the orchestrator is tested with fakes:
         ``launcher`` starts and finds trainers (default: real processes), ``sink`` is the sync
         target (default: built from ``[sync]``), ``provider_factory`` builds the teardown
-        provider, ``clock`` is the one clock every deadline is compared with.
+        provider, ``clock`` is the one clock every deadline is compared with, ``gpu`` watches
+        the GPUs' health while training (default: NVML, where a driver answers).
 
         ``fresh_start`` runs once this agent holds the state directory's lock, before the
         state is read (the demo wipes its own folder there, never one another agent uses)."""
@@ -99,8 +91,13 @@ class Daemon:
         #: Start agent/guard.py, the process that stops the box if this agent dies for good.
         self.start_guard = start_guard
         now = clock()
+        self.state_boot_id = boot_id()
         self.state = RunState(
-            job_name=job.job.name, job_source=job.source, started_at=now, updated_at=now
+            job_name=job.job.name,
+            job_source=job.source,
+            started_at=now,
+            updated_at=now,
+            boot_id=self.state_boot_id,
         )
         self.trainer: TrainerProcess | None = None
         self.run_dir: Path | None = None
@@ -117,13 +114,33 @@ class Daemon:
         self.state_write_error: str | None = None
         #: Turns of the training loop (each a wake-up: an event, a file change or the poll).
         self.loop_turns = 0
+        self.rebooted = False
+        self.progress: ProgressTracker | None = (
+            ProgressTracker(job.limits, clock=clock, gpu=gpu)
+            if job.limits.stall_timeout_s is not None
+            else None
+        )
+        #: NVML health while training (None: no GPU or no driver on this box).
+        self.gpu: GpuMonitor | None = gpu
+        self.notice: Notice | None = None
+        self.watcher: PreemptionWatcher | None = None
+        self.box_fault: str | None = None
+        self._outcome: Outcome | None = None
+        self._budget = BudgetWarner()
+        self.reason_hint: Reason | None = None
+        self.disk_stop: str | None = None
+        self.hung_at_exit = False
+        self._exit_code: int | None = None
+        #: Set by ``release``: a HELD box goes on to its teardown.
+        self._released = asyncio.Event()
 
     # ------------------------------------------------------------------ entry
 
     async def run(self, shutdown_trigger: asyncio.Event | None = None) -> int:
         """Run the job to its end (or until the agent is asked to exit). Returns the exit code."""
         self.flags = Flags(shutdown=shutdown_trigger or asyncio.Event())
-        signals.install(self.flags)
+        on_preempt = self._sigterm_notice if self.job.preemption.sigterm else None
+        signals.install(self.flags, on_preempt=on_preempt)
         try:
             self.store.ensure()
         except OSError as exc:
@@ -184,7 +201,12 @@ class Daemon:
         if resume_at is None:
             return 0
         if self.start_guard:  # the safety net if this agent dies for good (agent/guard.py)
-            plan = guardplan.write_plan(self.env.state_dir, self.job, self.state.started_at)
+            plan = guardplan.write_plan(
+                self.env.state_dir,
+                self.job,
+                self.state.started_at,
+                extended_s=self.state.extended_s,
+            )
             self._spawn(
                 guardplan.heartbeat_task(self.env.state_dir, plan.heartbeat_every_s), "heartbeat"
             )
@@ -236,6 +258,12 @@ class Daemon:
         )
         if was != Phase.BOOTING:
             transition(self.state, Phase.BOOTING, note="agent restarted")  # any -> BOOTING
+        if previous.boot_id is not None and previous.boot_id != self.state_boot_id:
+            # Every pid recorded before a reboot is meaningless (and may be reused).
+            self.rebooted = True
+            log.warning("the box rebooted since the last agent ran (boot id changed)")
+            self.state.history.append({"at": self.clock(), "event": "box rebooted"})
+        self.state.boot_id = self.state_boot_id
         if previous.trainer and previous.trainer.run_dir:
             self.run_dir = Path(previous.trainer.run_dir)
         return restart.resume_phase(was, previous)
@@ -277,6 +305,7 @@ class Daemon:
             restart.note_progress(self.state, Phase.TRAINING)
             await self._read_price()
             self._save()
+            await self._watch_gpus()
             reason = await self._training()
             if reason is None:
                 return 0  # the agent was asked to exit; the trainer goes on
@@ -315,198 +344,6 @@ class Daemon:
             self.staging_report = outcome.report
             self.store.write_report("staging.json", outcome.report)
         return outcome.ok
-
-    async def _training(self) -> Reason | None:
-        """Launch (or re-attach to) the trainer, follow it, sync milestones, enforce limits.
-        Returns the reason the training ended, or None when the agent itself is exiting."""
-        assert self.flags is not None
-        flags = self.flags
-        launched_at = self.clock()
-        # The stall clock starts with this agent's supervision, not at its construction: a long
-        # staging (or a restart) must not count as a stalled trainer.
-        self._last_progress_at = launched_at
-        if self.state.trainer is not None:
-            launched_at = self.state.trainer.started_at
-            self.trainer = self.launcher.attach(self.state.trainer)
-            if self.trainer is None:
-                log.warning(
-                    "trainer pid=%d from the previous agent is gone; syncing what its run wrote",
-                    self.state.trainer.pid,
-                )
-                self._find_dead_run_dir()
-                return self._classify_and_reason(None, stop_reason=None)
-        else:
-            failed = await self._launch_or_adopt()
-            if failed is not None:
-                return failed
-            assert self.state.trainer is not None
-            launched_at = self.state.trainer.started_at
-        trainer = self.trainer
-        assert trainer is not None
-
-        changed = asyncio.Event()
-        watcher = RunWatcher(asyncio.get_running_loop(), changed)
-        watcher.watch(self.job.job.runs_dir)
-        if self.run_dir is not None:
-            watcher.watch(self.run_dir)
-        exit_task = asyncio.ensure_future(trainer.wait())
-        stop_reason: Reason | None = None
-        stop_task: asyncio.Future[str] | None = None
-        try:
-            while True:
-                self.loop_turns += 1
-                await self._follow(launched_at)
-                if exit_task.done():
-                    break
-                if stop_task is None:
-                    if flags.stop_job.is_set():
-                        stop_reason = Reason.STOPPED_BY_USER
-                    else:
-                        breach = check_limits(
-                            self.limits(),
-                            now=self.clock(),
-                            job_started_at=self.state.started_at,
-                            last_progress_at=self._last_progress_at,
-                        )
-                        if breach is not None:
-                            stop_reason = breach.reason
-                            self.breach_message = breach.message
-                            log.warning("limit reached: %s", breach.message)
-                    if stop_reason is not None:
-                        stop_task = asyncio.ensure_future(self._stop_trainer())
-                if flags.shutdown.is_set() and stop_task is None:
-                    if not self.job.job.stop_trainer_on_exit:
-                        log.info(
-                            "agent exiting; trainer pid=%d keeps running (run the agent again "
-                            "to re-attach)",
-                            trainer.pid,
-                        )
-                        return None
-                    stop_reason = Reason.STOPPED_BY_USER
-                    stop_task = asyncio.ensure_future(self._stop_trainer())
-                # Only events that have not fired yet: a set Event's wait() returns at once, and
-                # waiting on it would spin this loop until the trainer is gone.
-                waiters: set[asyncio.Future[Any]] = {exit_task}
-                waiters.add(asyncio.ensure_future(changed.wait()))
-                if stop_task is None and not flags.stop_job.is_set():
-                    waiters.add(asyncio.ensure_future(flags.stop_job.wait()))
-                if not flags.shutdown.is_set():
-                    waiters.add(asyncio.ensure_future(flags.shutdown.wait()))
-                try:
-                    await asyncio.wait(
-                        waiters, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    for w in waiters:
-                        if w is not exit_task and not w.done():
-                            w.cancel()
-                changed.clear()
-            if stop_task is not None:
-                await stop_task
-        finally:
-            watcher.stop()
-            if not exit_task.done():
-                exit_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await exit_task
-        await self._follow(launched_at)
-        return self._classify_and_reason(trainer.exit_code, stop_reason)
-
-    async def _launch_or_adopt(self) -> Reason | None:
-        """Start the trainer, safe against this agent being killed at any instant
-        (:func:`trainer.start_once`). Returns a reason only when the launch failed."""
-
-        def record_intent(launch: dict[str, Any]) -> None:
-            self.state.launch = launch
-            self._save(required=True)  # no launch that a restarted agent could not find
-
-        try:
-            self.trainer = await start_once(
-                self.launcher,
-                self.job,
-                intent=self.state.launch,
-                record_intent=record_intent,
-                log_path=self.store.path("trainer.log"),
-                result_path=self.store.path("trainer-result.json"),
-                now=self.clock(),
-            )
-        except (TrainerError, OSError) as exc:
-            message = str(exc) if isinstance(exc, TrainerError) else os_error(exc)
-            self.state.cause = f"cannot start the trainer: {message}"
-            log.error("%s", self.state.cause)
-            return Reason.TRAINING_FAILED
-        self.state.trainer = self.trainer.record
-        self._save()
-        return None
-
-    def _find_dead_run_dir(self) -> None:
-        """The trainer died with the previous agent: its run dir from the state file, else by
-        the pid its status.json names, else from its json result."""
-        rec = self.state.trainer
-        if self.run_dir is not None or rec is None:
-            return
-        result = read_result(self.store.path("trainer-result.json"))
-        self.run_dir = find_dead_run_dir(self.job.job.runs_dir, rec.pid, rec.started_at, result)
-        if self.run_dir is not None:
-            log.info("run directory of the dead trainer: %s", self.run_dir)
-            rec.run_dir = str(self.run_dir)
-            self._save()
-
-    async def _stop_trainer(self) -> str:
-        assert self.trainer is not None
-        sent = await self.trainer.stop(
-            stop_grace_s=self.job.train.stop_grace_s, kill_grace_s=self.job.train.kill_grace_s
-        )
-        log.info("trainer stopped (%s)", sent)
-        return sent
-
-    def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
-        result = read_result(self.store.path("trainer-result.json"))
-        if self.run_dir is None and self.state.trainer is not None:
-            self.run_dir = run_dir_from_result(result)
-        if self.run_dir is not None:
-            self.status = read_status(self.run_dir) or self.status
-        outcome = classify(exit_code, self.status, result, stop_requested=stop_reason is not None)
-        self.state.outcome = outcome.to_dict()
-        log.info("trainer outcome: %s (%s)", outcome.kind, outcome.message)
-        reason, self.state.cause = outcome.reason(stop_reason, self.breach_message)
-        return reason
-
-    async def _follow(self, launched_at: float) -> None:
-        """Read the run dir (found by pid) and feed new epochs to the sync policy."""
-        if self.run_dir is None and self.trainer is not None:
-            self.run_dir = find_run_dir(
-                self.job.job.runs_dir, self.trainer.pids(), newer_than=launched_at - 5
-            )
-            if self.run_dir is not None:
-                log.info("run directory: %s", self.run_dir)
-                if self.state.trainer is not None:
-                    self.state.trainer.run_dir = str(self.run_dir)
-                self._save()
-        if self.run_dir is None:
-            return
-        status = read_status(self.run_dir)
-        if status is None:
-            return
-        previous = self.status
-        self.status = status
-        if previous is None or status.completed_epochs != previous.completed_epochs:
-            self._last_progress_at = self.clock()
-            if previous is not None:
-                self.state.crashes.clear()  # an epoch went by: whatever crashed was survivable
-            if status.completed_epochs == 0:
-                log.info("training started (%s epochs)", status.total_epochs)
-                self._save()
-                return
-            log.info(
-                "epoch %d/%s done (eta %s)",
-                status.completed_epochs,
-                status.total_epochs,
-                f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
-            )
-            if self.sync is not None:
-                await self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
-            self._save()
 
     def _agent_files(self) -> list[Path]:
         return [p for p in (self.store.path(n) for n in AGENT_FILES) if p.exists()]
@@ -549,6 +386,8 @@ class Daemon:
         else:
             transition(self.state, Phase.TEARDOWN, note="resumed")  # BOOTING -> TEARDOWN
         self._save()
+        if not await self._held():
+            return 0  # the agent exits while HELD; the next agent holds on
         record = self.state.teardown
         resumed = resumed and record is not None and bool(record.get("action"))
         cfg = self.job.teardown
@@ -572,6 +411,8 @@ class Daemon:
             provider, record, reason, resumed=resumed, save=self._save
         )
         record.update(result.to_dict())
+        if self.box_fault:  # resuming on this box would fail again: a new box is needed
+            record["box_fault"] = self.box_fault
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
         self._save()
@@ -581,6 +422,86 @@ class Daemon:
             "job %s done: reason=%s cause=%s", self.job.job.name, reason.value, self.state.cause
         )
         return 0
+
+    async def _watch_gpus(self) -> None:
+        """NVML health and load for the run, where a driver answers (a CPU job: none)."""
+        if self.gpu is None and self.job.train.get("device") != "cpu":
+            monitor = GpuMonitor()
+            if await asyncio.to_thread(lambda: monitor.available):
+                self.gpu = monitor
+                log.info("watching GPU health through NVML")
+        if self.progress is not None and self.gpu is not None:
+            self.progress = ProgressTracker(self.job.limits, clock=self.clock, gpu=self.gpu)
+
+    async def _held(self) -> bool:
+        """``hold``: keep the box up (phase HELD, nothing torn down) until ``release`` or the
+        hold's own timeout. False when the agent exits meanwhile (state.json says HELD)."""
+        assert self.flags is not None
+        if not steering.hold_active(self.state, self.clock()):
+            return True
+        transition(self.state, Phase.HELD, note="held by a person")  # TEARDOWN -> HELD
+        self._save()
+        while steering.hold_active(self.state, self.clock()):
+            left = steering.hold_remaining_s(self.state, self.clock()) or 0.0
+            log.info("HELD: the box stays up until release or %.0fs from now", left)
+            self._released.clear()
+            waiters = [
+                asyncio.ensure_future(self._released.wait()),
+                asyncio.ensure_future(self.flags.shutdown.wait()),
+            ]
+            try:
+                await asyncio.wait(
+                    waiters, timeout=min(max(left, 0.0), 600.0), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for w in waiters:
+                    w.cancel()
+            if self.flags.shutdown.is_set():
+                return False
+        why = "released" if (self.state.hold or {}).get("released_at") else "hold timed out"
+        log.info("HELD -> TEARDOWN (%s)", why)
+        transition(self.state, Phase.TEARDOWN, note=why)  # HELD -> TEARDOWN
+        self._save()
+        return True
+
+    async def _request_extend(self, body: str) -> dict[str, Any]:
+        seconds = steering.parse_request_duration(body)
+        answer = steering.extend(
+            self.state, seconds, now=self.clock(), max_runtime_s=self.job.limits.max_runtime_s
+        )
+        self._save()
+        if self.start_guard:  # the guard's hard deadline moves with it
+            with contextlib.suppress(OSError):
+                guardplan.write_plan(
+                    self.env.state_dir,
+                    self.job,
+                    self.state.started_at,
+                    extended_s=self.state.extended_s,
+                )
+        return answer
+
+    async def _request_hold(self, body: str) -> dict[str, Any]:
+        timeout = steering.parse_request_duration(body, default=self.job.teardown.hold_timeout_s)
+        answer = steering.hold(self.state, now=self.clock(), timeout_s=timeout)
+        self._save()
+        return answer
+
+    async def _request_release(self, body: str) -> dict[str, Any]:
+        answer = steering.release(self.state, now=self.clock())
+        self._save()
+        self._released.set()
+        return answer
+
+    def _sigterm_notice(self) -> None:
+        """``[preemption] sigterm = true``: a SIGTERM is the provider reclaiming the box."""
+        assert self.flags is not None
+        if self.state.phase != Phase.TRAINING or self.trainer is None:
+            self.flags.shutdown.set()  # nothing to save yet (or already saving): just exit
+            return
+        self.notice = Notice(
+            "sigterm", "SIGTERM to the agent (declared a preemption)", self.clock()
+        )
+        self.flags.preempt.set()
 
     def limits(self) -> LimitsSection:
         """The job's limits, with the provider's real price where the job says ``auto``."""
@@ -616,7 +537,12 @@ class Daemon:
             cfg.port,
             token=self.store.token(),
             status=self.status_dict,
-            actions={"stop": self._request_stop},
+            actions={
+                "stop": lambda _body: self._request_stop(),
+                "extend": self._request_extend,
+                "hold": self._request_hold,
+                "release": self._request_release,
+            },
         )
         try:
             port = await self.server.start()
@@ -704,5 +630,19 @@ class Daemon:
                 state_write_error=self.state_write_error,
                 now=self.clock(),
                 limits=self.limits(),
+                reserve_s=self._reserve_s(),
+                supervision=self._supervision(),
             )
         )
+
+    def _supervision(self) -> dict[str, Any]:
+        return {
+            "resumes": self.state.resumes,
+            "max_restarts": self.job.limits.max_restarts,
+            "rebooted": self.rebooted,
+            "preempted": self.state.preempted,
+            "preemption": self.watcher.status() if self.watcher else None,
+            "box_fault": self.box_fault,
+            "stall": self.progress.snapshot() if self.progress else None,
+            "disk_stop": self.disk_stop,
+        }

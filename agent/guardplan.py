@@ -169,6 +169,7 @@ def write_plan(
     *,
     environ: Mapping[str, str] | None = None,
     now: float | None = None,
+    extended_s: float = 0.0,
 ) -> GuardPlan:
     """Write ``guard-plan.json`` for ``job``, whose first boot was ``started_at`` (state.json's
     ``started_at``, carried over restarts). Call it at every agent start: a restarted agent's
@@ -179,6 +180,8 @@ def write_plan(
     stale_after_s = _duration_from_env(e, STALE_AFTER_ENV, DEFAULT_STALE_AFTER_S)
     margin_s = _duration_from_env(e, MARGIN_ENV, DEFAULT_MARGIN_S)
     max_runtime_s = job.limits.max_runtime_s
+    if max_runtime_s is not None:
+        max_runtime_s += extended_s  # ``libreyolo-agent extend`` moves the guard's deadline too
     every_s = min(MAX_EVERY_S, stale_after_s / 5)
     plan = GuardPlan(
         job_name=job.job.name,

@@ -28,6 +28,7 @@ from .config import (
     Job,
     JobSection,
     LimitsSection,
+    PreemptionSection,
     PreflightSection,
     ProviderName,
     ServerSection,
@@ -81,7 +82,17 @@ _NO_STOP = {
     "destroy (gated: an unverified sync keeps the box) or keep",
 }
 _ACTIONS: tuple[TeardownAction, ...] = get_args(TeardownAction)
-_SECTIONS = ("job", "train", "dataset", "sync", "limits", "teardown", "server", "preflight")
+_SECTIONS = (
+    "job",
+    "train",
+    "dataset",
+    "sync",
+    "limits",
+    "teardown",
+    "server",
+    "preflight",
+    "preemption",
+)
 
 
 def teardown_provider(doc: Mapping[str, Any]) -> str:
@@ -247,6 +258,13 @@ def job_from_dict(
         storage_usd_per_gb_month=t.number(
             "storage_usd_per_gb_month", d_limits.storage_usd_per_gb_month
         ),
+        max_restarts=t.int_("max_restarts", d_limits.max_restarts, minimum=0),
+        restart_backoff_s=t.duration("restart_backoff", d_limits.restart_backoff_s),
+        stall_epoch_factor=t.number("stall_epoch_factor", d_limits.stall_epoch_factor, minimum=1.0)
+        or d_limits.stall_epoch_factor,
+        first_epoch_timeout_s=t.duration("first_epoch_timeout", d_limits.first_epoch_timeout_s),
+        finish_reserve_s=t.duration("finish_reserve", d_limits.finish_reserve_s),
+        exit_grace_s=t.duration("exit_grace", d_limits.exit_grace_s),
     )
     t.finish()
     if price_auto and teardown_provider(doc) in ("none", "command"):
@@ -294,6 +312,8 @@ def job_from_dict(
     )
     t.finish()
 
+    preemption = _load_preemption(Table("preemption", doc.get("preemption", {}), errors))
+
     errors.raise_if_any()
     return Job(
         job=job_section,
@@ -305,8 +325,43 @@ def job_from_dict(
         teardown=teardown,
         server=server,
         preflight=preflight,
+        preemption=preemption,
         source=source,
     )
+
+
+def _auto_bool(t: Table, k: str) -> bool | None:
+    """``true``, ``false`` or ``"auto"`` (the default: None, detect)."""
+    v = t.data.get(k) if isinstance(t.data, dict) else None
+    t.used.add(k)
+    if v is None or v == "auto":
+        return None
+    if not isinstance(v, bool):
+        t.bad(k, f'{show(v)} must be true, false or "auto"')
+        return None
+    return v
+
+
+def _load_preemption(t: Table) -> PreemptionSection:
+    """The ``[preemption]`` table: which spot notices to watch, and where."""
+    d = PreemptionSection()
+    urls: dict[str, str] = {}
+    for key, default in (("aws_url", d.aws_url), ("gcp_url", d.gcp_url)):
+        url = t.str_(key, default) or default
+        if url != default:
+            with t.errors.catch():
+                url = check_api_url(t.key(key), url)
+        urls[key] = url
+    section = PreemptionSection(
+        aws=_auto_bool(t, "aws"),
+        gcp=_auto_bool(t, "gcp"),
+        sigterm=t.bool_("sigterm", d.sigterm),
+        aws_url=urls["aws_url"],
+        gcp_url=urls["gcp_url"],
+        poll_interval_s=t.duration("poll_interval", d.poll_interval_s),
+    )
+    t.finish()
+    return section
 
 
 def _load_teardown(t: Table) -> TeardownSection:
@@ -354,6 +409,7 @@ def _load_teardown(t: Table) -> TeardownSection:
         command=command if name == "command" else (),
         stop_command=stop_command if name == "command" else (),
         command_timeout_s=timeout_s,
+        hold_timeout_s=t.duration("hold_timeout", d.hold_timeout_s),
     )
     t.finish()
     if not teardown.can_stop:

@@ -60,6 +60,12 @@ class RunStatus:
         if completed is None and current is not None:
             # The failure write (SIGINT, exception) has only the epoch that was running.
             completed = max(current - 1, 0)
+        start = integer("start_epoch")
+        if d.get("state") == "completed" and completed is not None and start and start > 1:
+            # LibreYOLO 1.6.0's train-end write counts this invocation's epochs only: a run
+            # resumed at epoch 3 of 4 ends with completed_epochs = 2 (every other write, and
+            # metrics.jsonl, count from epoch 1).
+            completed += start - 1
         return cls(
             state=str(d.get("state", "unknown")),
             pid=integer("pid"),

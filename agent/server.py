@@ -1,7 +1,11 @@
 """The local HTTP endpoint (loopback; reached through ``ssh -L 8421:localhost:8421``).
 
-``GET /healthz``, ``GET /status`` (JSON) are open; ``POST /stop`` needs the bearer token from the
-state directory (mode 0600), so another user on the box cannot end someone's run.
+``GET /healthz``, ``GET /status`` (JSON) are open; the control actions (``POST /stop``,
+``/extend``, ``/hold``, ``/release``) need the bearer token from the state directory (mode 0600),
+so another user on the box cannot end or steer someone's run. An action gets the request body as
+text (at most :data:`MAX_ACTION_BODY_BYTES`; more is answered 413); one that raises
+:class:`~agent.steering.SteeringError` is answered ``{"ok": false, "error": message}`` with the
+error's status (400 a malformed request, 409 one the run's present state refuses).
 
 The endpoint must never be what stops the agent, whoever connects to it:
 
@@ -39,10 +43,14 @@ from typing import Any
 
 from aiohttp import web
 
+from .steering import SteeringError
+
 log = logging.getLogger("agent.server")
 
 StatusFn = Callable[[], dict[str, Any]]
-ActionFn = Callable[[], Awaitable[dict[str, Any]]]
+#: A control action: gets the request body (text, possibly empty), returns the JSON answer;
+#: raises :class:`~agent.steering.SteeringError` for a request it cannot honour.
+ActionFn = Callable[[str], Awaitable[dict[str, Any]]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: Connections held open at once; at the cap the longest-idle one is closed to make room.
@@ -53,6 +61,8 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEPALIVE_TIMEOUT_S = 15.0
 #: Host names always accepted in the Host header (with any port), besides the bound address.
 LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: The largest request body an action reads, bytes: a duration needs a few dozen.
+MAX_ACTION_BODY_BYTES = 4096
 #: At most one summary line of closed/refused connections per this many seconds.
 _SUMMARY_INTERVAL_S = 60.0
 
@@ -497,7 +507,45 @@ class StatusServer:
                     },
                     status=401,
                 )
+            body = await _read_body(request)
+            if isinstance(body, web.Response):
+                return body
             log.info("control request: %s", name)
-            return web.json_response(await self._actions[name]())
+            try:
+                answer = await self._actions[name](body)
+            except SteeringError as exc:
+                log.info("control request %s refused (HTTP %d): %s", name, exc.status, exc)
+                return web.json_response({"ok": False, "error": str(exc)}, status=exc.status)
+            return web.json_response(answer)
 
         return handler
+
+
+async def _read_body(request: web.Request) -> str | web.Response:
+    """The body of a control request as text, or the error answer (413 too big, 400 not UTF-8).
+
+    The declared length is checked before anything is read; a chunked body is read up to the
+    limit only, so a client cannot make the agent buffer more than that."""
+    too_big = web.json_response(
+        {
+            "ok": False,
+            "error": f"the request body is larger than {MAX_ACTION_BODY_BYTES} bytes; a control "
+            'request needs only a duration like "2h"',
+        },
+        status=413,
+    )
+    length = request.content_length
+    if length is not None and length > MAX_ACTION_BODY_BYTES:
+        return too_big
+    data = bytearray()
+    while chunk := await request.content.read(MAX_ACTION_BODY_BYTES + 1 - len(data)):
+        data += chunk
+        if len(data) > MAX_ACTION_BODY_BYTES:
+            return too_big
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return web.json_response(
+            {"ok": False, "error": "the request body is not UTF-8 text; send a duration like 2h"},
+            status=400,
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -23,13 +24,20 @@ class Flags:
     shutdown: asyncio.Event = field(default_factory=asyncio.Event)
     #: A second signal: skip the grace periods.
     force: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A preemption notice (cloud metadata, or a SIGTERM the job declared one): save last.pt at
+    #: once and stop the trainer cleanly; the next boot resumes.
+    preempt: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def install(flags: Flags) -> None:
-    """SIGINT/SIGTERM set ``flags.shutdown`` (a second one also ``flags.force``)."""
+def install(flags: Flags, *, on_preempt: Callable[[], None] | None = None) -> None:
+    """SIGINT/SIGTERM set ``flags.shutdown`` (a second one also ``flags.force``). With
+    ``on_preempt`` (``[preemption] sigterm = true``) the first SIGTERM calls it instead."""
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGTERM and on_preempt is not None and not flags.preempt.is_set():
+            on_preempt()
+            return
         if flags.shutdown.is_set():
             flags.force.set()
         flags.shutdown.set()

@@ -50,6 +50,8 @@ class Reason(StrEnum):
     BUDGET = "budget"  #: limits.budget_usd reached
     PREEMPTED = "preempted"  #: the provider announced the box is going away
     STOPPED_BY_USER = "stopped_by_user"  #: ``libreyolo-agent stop`` / POST /stop
+    #: the disk cannot hold the next checkpoint, even after pruning verified ``epoch_N.pt``
+    DISK_FULL = "disk_full"
     #: the agent itself crashed again and again in the same place: a person must look
     AGENT_FAILED = "agent_failed"
 
@@ -123,6 +125,20 @@ class RunState:
     crashes: list[dict[str, Any]] = field(default_factory=list)
     #: The instance's price read from the provider (``price_usd_per_hour = "auto"``), USD/h.
     price_usd_per_hour: float | None = None
+    #: The kernel's boot id when the state was written: another one means the box rebooted
+    #: (every pid recorded before is meaningless then).
+    boot_id: str | None = None
+    #: Each resume of a trainer that died without a clean end: at, epoch, kind, message.
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    #: What people did to the unattended run (extend, hold, release): at, action, value.
+    steering: list[dict[str, Any]] = field(default_factory=list)
+    #: Seconds added to ``max_runtime`` by ``extend``.
+    extended_s: float = 0.0
+    #: ``hold``: at, until (the hold's own timeout), released_at.
+    hold: dict[str, Any] | None = None
+    #: A preemption notice this agent handled (at, source, message): the trainer was stopped
+    #: cleanly and ``last.pt`` saved; the next boot resumes instead of counting a failure.
+    preempted: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -150,6 +166,12 @@ class RunState:
             launch=d.get("launch"),
             crashes=list(d.get("crashes", [])),
             price_usd_per_hour=d.get("price_usd_per_hour"),
+            boot_id=d.get("boot_id"),
+            resumes=list(d.get("resumes", [])),
+            steering=list(d.get("steering", [])),
+            extended_s=float(d.get("extended_s", 0.0)),
+            hold=d.get("hold"),
+            preempted=d.get("preempted"),
         )
 
 

@@ -16,6 +16,7 @@ from .disk import nearest_existing
 from .limits import deadlines
 from .rundir import RunStatus, effective_state, pid_alive, read_metrics
 from .state import RunState
+from .steering import steering_status
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class StatusInputs:
     now: float
     #: The job's limits with the real price where it is ``auto``.
     limits: LimitsSection | None = None
+    #: Seconds kept before the deadline for the final sync (agent/limits.py).
+    reserve_s: float = 0.0
+    #: Resumes, stall watch, GPU faults, preemption: what the supervision knows.
+    supervision: dict[str, Any] | None = None
 
 
 def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -67,7 +72,14 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "sync": i.sync,
         "preflight": i.preflight,
         "staging": i.staging,
-        "limits": deadlines(i.limits or i.job.limits, job_started_at=state.started_at),
+        "limits": deadlines(
+            i.limits or i.job.limits,
+            job_started_at=state.started_at,
+            extended_s=state.extended_s,
+            reserve_s=i.reserve_s,
+        ),
+        "supervision": i.supervision,
+        "steering": steering_status(state, i.now),
         "money": money(i, eta),
         "teardown": state.teardown,
         "started_at": state.started_at,

@@ -29,7 +29,7 @@ from .config import SyncSection
 from .crashpoints import crashpoint
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
 from .rundir import SMALL_FILES, RunStatus, epoch_snapshots
-from .sinks import RemoteFile, Sink, SinkError
+from .sinks import RemoteFile, Sink, SinkError, sha256_file
 from .snapshots import (
     Snapshot,
     Snapshotter,
@@ -208,6 +208,33 @@ class SyncEngine:
         if queued:
             log.info("milestone epoch=%d: %d file(s) queued", n, queued)
         return queued
+
+    async def save_now(self, run_dir: Path, epoch: int | None) -> int:
+        """Queue ``last.pt`` (and ``best.pt``) at once, whatever the milestone policy says: a
+        preemption notice or a stall leaves minutes, not another milestone."""
+        async with self._files:
+            queued = 0
+            for name, kind in (("last.pt", ItemKind.LAST), ("best.pt", ItemKind.BEST)):
+                outcome = await self._queue_file(
+                    run_dir / "weights" / name, f"weights/{name}", epoch, kind
+                )
+                queued += outcome == "queued"
+        self.retry_now()
+        log.info("saving now: %d checkpoint(s) queued", queued)
+        return queued
+
+    def is_verified(self, path: Path) -> bool:
+        """Whether the target holds ``path``'s current content, verified (ledger entry with this
+        size and sha256): only such a local file may be pruned to make room."""
+        entry = self.ledger.entries.get(f"weights/{path.name}")
+        if entry is None or entry.status != LedgerStatus.VERIFIED:
+            return False
+        try:
+            if path.stat().st_size != entry.size:
+                return False
+            return sha256_file(path) == entry.sha256
+        except OSError:
+            return False
 
     async def final(
         self,

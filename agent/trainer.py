@@ -86,10 +86,35 @@ def uses_python_api(job: Job) -> bool:
     return isinstance(device, str) and "," in device
 
 
-def build_argv(job: Job, *, python: str = sys.executable) -> list[str]:
-    """The command line that starts this job's training."""
+#: ``[train]`` keys a resume replaces: it goes on from the run's own last.pt, in its own dir.
+_RESUME_REPLACES = frozenset({"model", "pretrained", "resume", "epochs", "exist_ok", "name"})
+
+
+def build_argv(
+    job: Job,
+    *,
+    python: str = sys.executable,
+    resume_dir: Path | None = None,
+    total_epochs: int | None = None,
+) -> list[str]:
+    """The command line that starts this job's training. With ``resume_dir``: the command that
+    resumes that run from its ``weights/last.pt`` in the same directory (LibreYOLO 1.6.0:
+    ``model=RUN/weights/last.pt resume=true epochs=TOTAL`` plus ``exist_ok=true`` so the run
+    dir is reused instead of becoming ``run12``; ``pretrained=false`` is refused with resume)."""
     args = [f"{k}={_fmt(v)}" for k, v in job.train.args]
     fixed = [f"project={job.job.runs_dir}", f"name={job.job.name}", "json=true"]
+    if resume_dir is not None:
+        epochs = total_epochs or job.train.epochs
+        args = [f"{k}={_fmt(v)}" for k, v in job.train.args if k not in _RESUME_REPLACES]
+        args = [f"model={resume_dir / 'weights' / 'last.pt'}", "resume=true", *args]
+        if epochs is not None:
+            args.append(f"epochs={epochs}")
+        fixed = [
+            f"project={resume_dir.parent}",
+            f"name={resume_dir.name}",
+            "exist_ok=true",
+            "json=true",
+        ]
     if uses_python_api(job):
         libreyolo_executable()  # the same clear error when the training stack is missing
         return [python, "-m", "agent.train_entry", *args, *fixed]
@@ -536,6 +561,7 @@ async def start_once(
     log_path: Path,
     result_path: Path,
     now: float,
+    argv: list[str] | None = None,
 ) -> TrainerProcess:
     """Start ``job``'s trainer, safe against the agent being killed at any instant: the launch
     id is recorded (``record_intent``, a durable save) before the spawn, and the caller records
@@ -552,7 +578,7 @@ async def start_once(
             "a previous agent started a launch (id %s) but no such trainer runs; launching",
             intent["id"],
         )
-    argv = launcher.argv(job)
+    argv = argv or launcher.argv(job)
     launch_id = uuid.uuid4().hex
     record_intent({"id": launch_id, "argv": argv, "at": now})
     trainer = await launcher.launch(

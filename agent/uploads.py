@@ -132,6 +132,15 @@ class UploadQueue:
         self.last_error: dict[str, Any] | None = None
         #: The newest epoch whose ``last.pt`` or ``epoch_N.pt`` is verified on the target.
         self.last_synced_epoch: int | None = None
+        #: Observed upload speed of checkpoints (bytes/s, a moving average; None until one of
+        #: at least 1 MiB went up): the finish reserve before a deadline is sized from it.
+        self.bytes_per_s: float | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes still owed: queued and in flight."""
+        items = [*self._pending.values(), *(f.item for f in self._in_flight.values())]
+        return sum(i.size for i in items)
 
     # ---------------------------------------------------------------- what is owed
 
@@ -276,9 +285,18 @@ class UploadQueue:
             self._failed(item, error)
         else:
             self._succeeded(item, sha256, size)
+            self._note_speed(size, self._clock() - flight.started_at)
         finally:
             self._in_flight.pop(item.remote_path, None)
             self._wake.set()
+
+    def _note_speed(self, size: int, seconds: float) -> None:
+        if size < 1 << 20 or seconds <= 0:
+            return  # small files measure latency, not bandwidth
+        speed = size / seconds
+        self.bytes_per_s = (
+            speed if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * speed
+        )
 
     def _succeeded(self, item: Item, sha256: str, size: int) -> None:
         self.uploads_done += 1

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent import steering
 from agent.cli import build_parser
+from agent.server import StatusServer
 from agent.state import Phase, Reason, RunState, StateStore
 
 MINIMAL = '[train]\ndata = "/data/set/data.yaml"\n'
@@ -279,6 +285,217 @@ def test_stop_with_no_agent_is_one_clear_line(tmp_path: Path, refusing_port: int
     save_state(tmp_path / "state", Phase.TRAINING, refusing_port)
     (tmp_path / "state" / "token").write_text("t\n", encoding="utf-8")
     proc = cli(tmp_path, "stop")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
+
+
+# --------------------------------------------------------------------------------------------
+# stop, extend, hold, release against a real agent endpoint
+
+CONTROL_TOKEN = "tok_cli_SECRET"
+HOLD_TIMEOUT_S = 12 * 3600.0
+
+
+class Endpoint:
+    """A real StatusServer on 127.0.0.1 in a thread of its own, its actions wired to
+    ``agent.steering`` as the daemon wires them, on a RunState the test can look at."""
+
+    def __init__(self, state: RunState, actions: tuple[str, ...]) -> None:
+        self.state = state
+        self.bodies: list[tuple[str, str]] = []
+        self._names = actions
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.server: StatusServer | None = None
+
+    def _actions(self) -> dict[str, Callable[[str], Awaitable[dict[str, Any]]]]:
+        state = self.state
+
+        async def stop(body: str) -> dict[str, Any]:
+            self.bodies.append(("stop", body))
+            return {"ok": True, "message": "stop requested"}
+
+        async def extend(body: str) -> dict[str, Any]:
+            self.bodies.append(("extend", body))
+            seconds = steering.parse_request_duration(body)
+            return steering.extend(state, seconds, now=time.time(), max_runtime_s=3600.0)
+
+        async def hold(body: str) -> dict[str, Any]:
+            self.bodies.append(("hold", body))
+            timeout_s = steering.parse_request_duration(body, default=HOLD_TIMEOUT_S)
+            return steering.hold(state, now=time.time(), timeout_s=timeout_s)
+
+        async def release(body: str) -> dict[str, Any]:
+            self.bodies.append(("release", body))
+            return steering.release(state, now=time.time())
+
+        every = {"stop": stop, "extend": extend, "hold": hold, "release": release}
+        return {name: every[name] for name in self._names}
+
+    def start(self) -> int:
+        self._thread.start()
+
+        async def up() -> int:
+            self.server = StatusServer(
+                "127.0.0.1", 0, token=CONTROL_TOKEN, status=dict, actions=self._actions()
+            )
+            return await self.server.start()
+
+        return asyncio.run_coroutine_threadsafe(up(), self._loop).result(10)
+
+    def close(self) -> None:
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def agent_endpoint(
+    tmp_path: Path,
+    phase: Phase = Phase.TRAINING,
+    actions: tuple[str, ...] = ("stop", "extend", "hold", "release"),
+) -> Iterator[Endpoint]:
+    """The endpoint running, its address in ``tmp_path/state``'s state file, its token beside."""
+    endpoint = Endpoint(RunState(job_name="run1", job_source="job.toml", phase=phase), actions)
+    port = endpoint.start()
+    try:
+        save_state(tmp_path / "state", phase, port)
+        (tmp_path / "state" / "token").write_text(CONTROL_TOKEN + "\n", encoding="utf-8")
+        yield endpoint
+    finally:
+        endpoint.close()
+
+
+def test_extend_moves_the_running_agents_deadline(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        proc = cli(tmp_path, "extend", "2h")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+        assert proc.stdout.startswith("deadline extended by 2h: max_runtime now ends the run at ")
+        assert proc.stdout.count("\n") == 1
+        assert agent.bodies == [("extend", '{"duration": "2h"}')]
+        assert agent.state.extended_s == 7200.0
+        assert [a["action"] for a in agent.state.steering] == ["extend"]
+
+
+@pytest.mark.parametrize(
+    ("duration", "expected"),
+    [
+        ("2x", "duration: '2x' is not a duration like"),
+        ("0", "duration: '0' must be a positive duration"),
+        ("31d", "duration: '31d' is 31d, more than the 30d one request may ask for"),
+    ],
+)
+def test_a_bad_duration_is_refused_here_before_asking_the_agent(
+    tmp_path: Path, duration: str, expected: str
+) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        for command in ("extend", "hold"):
+            proc = cli(tmp_path, command, duration)
+            assert proc.returncode == 2
+            (line,) = error_lines(proc)
+            assert line.startswith(expected), line
+            assert proc.stdout == ""
+        assert agent.bodies == []
+
+
+def test_the_agents_refusal_is_printed_as_it_says_it(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path, phase=Phase.FINISHING) as agent:
+        proc = cli(tmp_path, "extend", "1h")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc)
+        assert line == (
+            "cannot extend: training is over (phase FINISHING) and max_runtime no longer "
+            "applies; to keep the box up after the run, use `hold`"
+        )
+        assert proc.stdout == ""
+        assert agent.state.extended_s == 0.0
+
+
+def test_hold_without_a_duration_takes_the_jobs_hold_timeout(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        before = time.time()
+        proc = cli(tmp_path, "hold")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("hold set: when the run ends the box stays up (phase HELD")
+        assert agent.bodies == [("hold", "")]
+        assert agent.state.hold is not None
+        assert agent.state.hold["until"] >= before + HOLD_TIMEOUT_S
+
+        proc = cli(tmp_path, "hold", "30m")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("hold renewed: ")
+        assert agent.bodies[-1] == ("hold", '{"duration": "30m"}')
+        assert agent.state.hold["until"] < before + HOLD_TIMEOUT_S
+
+
+def test_release_ends_the_hold_and_a_second_release_says_why_not(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path, phase=Phase.HELD) as agent:
+        assert cli(tmp_path, "hold", "1h").returncode == 0
+        proc = cli(tmp_path, "release")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "released: the teardown goes ahead now\n"
+        assert agent.bodies[-1] == ("release", "")
+        proc = cli(tmp_path, "release")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc)
+        assert line.startswith("nothing to release: the hold was already released at ")
+        assert [a["action"] for a in agent.state.steering] == ["hold", "release"]
+
+
+def test_stop_posts_an_empty_body_and_prints_the_answer(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        proc = cli(tmp_path, "stop")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "stop requested\n"
+        assert agent.bodies == [("stop", "")]
+
+
+def test_a_wrong_token_gets_the_agents_explanation(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        (tmp_path / "state" / "token").write_text("not-the-token\n", encoding="utf-8")
+        proc = cli(tmp_path, "release")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc)
+        assert line.startswith("send Authorization: Bearer <token>; the token is in the agent")
+        assert "not-the-token" not in proc.stderr and CONTROL_TOKEN not in proc.stderr
+        assert agent.bodies == []
+
+
+def test_url_and_state_dir_options_reach_the_agent(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path) as agent:
+        assert agent.server is not None
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "token").write_text(CONTROL_TOKEN + "\n", encoding="utf-8")
+        url = f"http://127.0.0.1:{agent.server.bound_port}"
+        proc = cli(tmp_path, "extend", "90m", "--state-dir", str(elsewhere), "--url", url)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("deadline extended by 1h30m:")
+
+
+def test_an_older_agent_without_the_route_is_named(tmp_path: Path) -> None:
+    with agent_endpoint(tmp_path, actions=("stop",)) as agent:
+        proc = cli(tmp_path, "hold")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc)
+        assert line == (
+            "the agent has no POST /hold (HTTP 404): it is an older version; upgrade it, or "
+            "check --url"
+        )
+        assert agent.bodies == []
+
+
+@pytest.mark.parametrize("command", [("extend", "1h"), ("hold",), ("release",)])
+def test_steering_with_no_agent_is_one_clear_line(
+    tmp_path: Path, refusing_port: int, command: tuple[str, ...]
+) -> None:
+    save_state(tmp_path / "state", Phase.TRAINING, refusing_port)
+    (tmp_path / "state" / "token").write_text("t\n", encoding="utf-8")
+    proc = cli(tmp_path, *command)
     assert proc.returncode == 1
     (line,) = error_lines(proc)
     assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"

@@ -138,7 +138,7 @@ async def started(daemon: Daemon) -> None:
     [
         ('max_runtime = "1h"', 3600.5, Reason.TIMEOUT, "max_runtime 1h reached"),
         ("budget_usd = 1\nprice_usd_per_hour = 3.6", 1000.5, Reason.BUDGET, "budget $1.00"),
-        ('stall_timeout = "10m"', 600.5, Reason.STALLED, "no progress in status.json"),
+        ('stall_timeout = "10m"', 600.5, Reason.STALLED, "no training progress"),
     ],
 )
 def test_a_breached_limit_stops_the_trainer_once_and_names_itself(

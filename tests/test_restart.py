@@ -27,8 +27,9 @@ import pytest
 from agent.config import Env, PreflightSection
 from agent.daemon import Daemon
 from agent.restart import MAX_CRASHES
+from agent.sinks import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
-from tests.support import wait_for
+from tests.support import tiny_job, wait_for
 from tests.test_daemon import (
     Probe,
     dataset,
@@ -164,19 +165,19 @@ def test_restart_during_training_resumes_training_and_never_reruns_a_failing_pre
 
 @requires_libreyolo
 @pytest.mark.parametrize("run_dir_recorded", [True, False])
-def test_agent_and_trainer_both_killed_then_restart_syncs_everything_the_run_wrote(
-    tmp_path: Path, dataset: Path, run_dir_recorded: bool
+def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_epoch(
+    tmp_path: Path, dataset: Path, run_dir_recorded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Seen: after a kill of both (as in a reboot) the cause said "trainer lost: left no
     # status.json" although status.json existed, and 6 of 11 epoch files plus last/best never
-    # reached the target.
-    job = make_job(tmp_path, dataset, epochs=60, extra="save_period = 1")
+    # reached the target. Now the run resumes from its own last.pt in the same run dir.
+    job = make_job(tmp_path, dataset, epochs=8, extra="save_period = 1")
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
     seen: dict[str, int] = {}
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
-        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 3)
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
         assert daemon.trainer is not None
         seen["pid"] = daemon.trainer.pid
         shutdown.set()
@@ -191,25 +192,71 @@ def test_agent_and_trainer_both_killed_then_restart_syncs_everything_the_run_wro
         data["trainer"]["run_dir"] = None
         state_path.write_text(json.dumps(data))
     run_dir = tmp_path / "runs" / "run1"
-    on_disk = {p.name for p in (run_dir / "weights").glob("*.pt")}
-    assert "epoch_3.pt" in on_disk
+    killed_at = json.loads((run_dir / "status.json").read_text())["completed_epochs"]
+    assert killed_at >= 2
 
+    monkeypatch.setenv("LIBREYOLO_AGENT_BOOT_ID", "another-boot")  # a simulated reboot
     code, second, _ = asyncio.run(run_daemon(job, env))
     assert code == 0
-    assert second.state.reason == Reason.TRAINING_FAILED
-    assert second.state.outcome is not None and second.state.outcome["kind"] == "killed"
-    assert "status.json" not in (second.state.cause or "") or "running" in (
-        second.state.cause or ""
-    )
+    assert second.state.reason == Reason.COMPLETED, second.state.cause
+    assert [r["kind"] for r in second.state.resumes] == ["reboot"]
+    assert second.state.resumes[0]["epoch"] >= 2
+    # The same run dir, every epoch trained once and in order, nothing started over.
+    assert run_dirs(tmp_path / "runs") == ["run1"]
     assert second.run_dir == run_dir
-    synced = {p.name for p in (tmp_path / "synced" / "weights").glob("*.pt")}
-    completed = json.loads((run_dir / "status.json").read_text())["completed_epochs"]
-    assert {f"epoch_{n}.pt" for n in range(1, completed + 1)} <= synced
-    # Everything the run wrote is off the box (best.pt exists only once a metric improved).
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["start_epoch"] >= 3
+    assert second.status is not None and second.status.completed_epochs == 8
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    epochs = [json.loads(line)["epoch"] for line in rows]
+    assert epochs == list(range(1, 9))
+    # Everything the run wrote is off the box, and the target's last.pt is the final one.
+    synced_dir = tmp_path / "synced" / "weights"
+    synced = {p.name for p in synced_dir.glob("*.pt")}
+    assert {f"epoch_{n}.pt" for n in range(1, 9)} <= synced
     on_disk = {p.name for p in (run_dir / "weights").glob("*.pt")}
     assert "last.pt" in on_disk and on_disk <= synced, on_disk - synced
+    assert sha256_file(synced_dir / "last.pt") == sha256_file(run_dir / "weights" / "last.pt")
     assert second.sync is not None and second.sync.verify_result is not None
     assert second.sync.verify_result.sync_verified, second.sync.verify_result.missing
+
+
+@requires_libreyolo
+def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
+    tmp_path: Path, dataset: Path
+) -> None:
+    # The old box is gone with its disk: a fresh state dir and an empty runs dir, the same job
+    # and sync target. Training from scratch would overwrite the target's checkpoints.
+    old, new = tmp_path / "old", tmp_path / "new"
+    synced = tmp_path / "synced"
+    sections = f'[sync]\ntarget = "file://{synced}"\n'
+    job_old = tiny_job(old, dataset, epochs=6, sections=sections)
+    shutdown = asyncio.Event()
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(
+            lambda: daemon.sync is not None and (daemon.sync.last_synced_epoch or 0) >= 2
+        )
+        assert daemon.trainer is not None
+        kill_tree(daemon.trainer.pid)  # the box dies: trainer and agent at once
+        shutdown.set()
+
+    asyncio.run(run_daemon(job_old, Env(state_dir=old / "state"), during, shutdown))
+    remote_epoch = json.loads((synced / "status.json").read_text())["completed_epochs"]
+    assert remote_epoch >= 2
+
+    job_new = tiny_job(new, dataset, epochs=6, sections=sections)
+    code, daemon, _ = asyncio.run(run_daemon(job_new, Env(state_dir=new / "state")))
+    assert code == 0
+    assert daemon.state.reason == Reason.COMPLETED, daemon.state.cause
+    assert [r["kind"] for r in daemon.state.resumes] == ["new_box"]
+    run_dir = new / "runs" / "run1"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["start_epoch"] > 1, "resumed, not trained from scratch"
+    assert daemon.status is not None and daemon.status.completed_epochs == 6
+    assert sha256_file(synced / "weights" / "last.pt") == sha256_file(
+        run_dir / "weights" / "last.pt"
+    )
 
 
 @requires_libreyolo

@@ -13,7 +13,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from agent import steering
 from agent.server import StatusServer, host_header_name, is_loopback
+from agent.state import Phase, RunState
+from agent.steering import SteeringError
 
 TOKEN = "tok_SECRET_1234"
 
@@ -21,7 +24,7 @@ TOKEN = "tok_SECRET_1234"
 @asynccontextmanager
 async def serving(
     host: str = "127.0.0.1",
-    actions: dict[str, Callable[[], Awaitable[dict[str, Any]]]] | None = None,
+    actions: dict[str, Callable[[str], Awaitable[dict[str, Any]]]] | None = None,
     **kw: Any,
 ) -> AsyncIterator[tuple[StatusServer, int]]:
     server = StatusServer(
@@ -178,7 +181,7 @@ def test_when_every_connection_is_busy_a_new_one_gets_503_and_is_closed() -> Non
         release, both_in = asyncio.Event(), asyncio.Event()
         entered: list[int] = []
 
-        async def hold() -> dict[str, Any]:
+        async def hold(body: str) -> dict[str, Any]:
             entered.append(1)
             if len(entered) == 2:
                 both_in.set()
@@ -246,7 +249,7 @@ def test_requests_for_another_host_are_refused_on_every_route(host: str) -> None
     tunnel, but its requests carry its own host name."""
     stops = 0
 
-    async def stop() -> dict[str, Any]:
+    async def stop(body: str) -> dict[str, Any]:
         nonlocal stops
         stops += 1
         return {"ok": True}
@@ -348,3 +351,233 @@ def test_loopback_bind_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
 
     asyncio.run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ---- control requests: token, body, refusals ---------------------------------------------------
+
+
+class Recorder:
+    """Actions that record the bodies they get; ``fail`` makes them raise it instead."""
+
+    def __init__(self) -> None:
+        self.bodies: list[tuple[str, str]] = []
+        self.fail: Exception | None = None
+
+    def action(self, name: str) -> Callable[[str], Awaitable[dict[str, Any]]]:
+        async def act(body: str) -> dict[str, Any]:
+            if self.fail is not None:
+                raise self.fail
+            self.bodies.append((name, body))
+            return {"ok": True, "message": f"{name} done"}
+
+        return act
+
+    def actions(self, *names: str) -> dict[str, Callable[[str], Awaitable[dict[str, Any]]]]:
+        return {name: self.action(name) for name in names}
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_control_requests_need_the_token() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with (
+            serving(actions=rec.actions("extend", "hold", "release")) as (_, port),
+            aiohttp.ClientSession() as session,
+        ):
+            for name in ("extend", "hold", "release"):
+                url = f"http://127.0.0.1:{port}/{name}"
+                for headers in (
+                    {},
+                    {"Authorization": "Bearer wrong"},
+                    {"Authorization": f"Basic {TOKEN}"},
+                    {"Authorization": TOKEN},
+                ):
+                    async with session.post(url, data="2h", headers=headers) as r:
+                        assert r.status == 401, (name, headers)
+                        answer = await r.json()
+                        assert answer["error"] == "unauthorized"
+                        assert TOKEN not in json.dumps(answer)
+            # GET is not a control request.
+            async with session.get(f"http://127.0.0.1:{port}/extend", headers=AUTH) as r:
+                assert r.status == 405
+
+    asyncio.run(main())
+    assert rec.bodies == []
+
+
+def test_actions_get_the_request_body_as_text() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with (
+            serving(actions=rec.actions("extend", "hold")) as (_, port),
+            aiohttp.ClientSession() as session,
+        ):
+            base = f"http://127.0.0.1:{port}"
+
+            async def chunked() -> AsyncIterator[bytes]:
+                for part in (b'{"dura', b'tion": ', b'"1h30m"}'):
+                    yield part
+
+            for url, data in (
+                (f"{base}/extend", "2h"),
+                (f"{base}/extend", json.dumps({"duration": "90m"})),
+                (f"{base}/extend", chunked()),
+                (f"{base}/hold", None),
+                (f"{base}/hold", "x" * 4096),  # exactly the limit
+                (f"{base}/hold", "durée 2h"),
+            ):
+                async with session.post(url, data=data, headers=AUTH) as r:
+                    assert r.status == 200
+                    assert (await r.json())["ok"] is True
+
+    asyncio.run(main())
+    assert rec.bodies == [
+        ("extend", "2h"),
+        ("extend", '{"duration": "90m"}'),
+        ("extend", '{"duration": "1h30m"}'),
+        ("hold", ""),
+        ("hold", "x" * 4096),
+        ("hold", "durée 2h"),
+    ]
+
+
+def test_a_body_past_4_kib_is_answered_413_and_the_action_never_runs() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with (
+            serving(actions=rec.actions("extend")) as (_, port),
+            aiohttp.ClientSession() as session,
+        ):
+            url = f"http://127.0.0.1:{port}/extend"
+
+            async def chunked() -> AsyncIterator[bytes]:
+                for _ in range(5):  # no Content-Length: found while reading
+                    yield b"y" * 1000
+
+            for data in ("x" * 4097, chunked()):
+                async with session.post(url, data=data, headers=AUTH) as r:
+                    assert r.status == 413
+                    answer = await r.json()
+                    assert answer["ok"] is False
+                    assert "larger than 4096 bytes" in answer["error"]
+            # A declared length past the limit is answered before the body is sent.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /extend HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                b"Content-Length: 10000000\r\n\r\n2h"
+            )
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 413 ")
+            assert json.loads(body)["ok"] is False
+            # Without the token the size does not matter: 401 first.
+            async with session.post(url, data="x" * 5000) as r:
+                assert r.status == 401
+
+    asyncio.run(main())
+    assert rec.bodies == []
+
+
+def test_a_body_that_is_not_utf8_is_a_bad_request() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        async with (
+            serving(actions=rec.actions("extend")) as (_, port),
+            aiohttp.ClientSession() as session,
+            session.post(f"http://127.0.0.1:{port}/extend", data=b"\xff\xfe2h", headers=AUTH) as r,
+        ):
+            assert r.status == 400
+            assert (await r.json()) == {
+                "ok": False,
+                "error": "the request body is not UTF-8 text; send a duration like 2h",
+            }
+
+    asyncio.run(main())
+    assert rec.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (SteeringError("duration: '2x' is not a duration"), 400),
+        (SteeringError("cannot extend: the run has ended (DONE)", status=409), 409),
+    ],
+)
+def test_a_steering_error_is_answered_with_its_status_and_message(
+    error: SteeringError, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent.server")
+    rec = Recorder()
+    rec.fail = error
+
+    async def main() -> None:
+        async with (
+            serving(actions=rec.actions("extend")) as (_, port),
+            aiohttp.ClientSession() as session,
+            session.post(f"http://127.0.0.1:{port}/extend", data="2x", headers=AUTH) as r,
+        ):
+            assert r.status == status
+            assert await r.json() == {"ok": False, "error": str(error)}
+
+    asyncio.run(main())
+    assert f"control request extend refused (HTTP {status}): {error}" in caplog.messages
+
+
+def test_steering_through_the_endpoint_changes_the_state() -> None:
+    """The actions as the daemon wires them: the body parsed, the state changed and shown."""
+    state = RunState(job_name="run1", job_source="job.toml", phase=Phase.TRAINING)
+
+    async def do_extend(body: str) -> dict[str, Any]:
+        seconds = steering.parse_request_duration(body)
+        return steering.extend(state, seconds, now=time.time(), max_runtime_s=3600.0)
+
+    async def do_hold(body: str) -> dict[str, Any]:
+        timeout_s = steering.parse_request_duration(body, default=12 * 3600.0)
+        return steering.hold(state, now=time.time(), timeout_s=timeout_s)
+
+    async def main() -> None:
+        server = StatusServer(
+            "127.0.0.1",
+            0,
+            token=TOKEN,
+            status=lambda: steering.steering_status(state, time.time()),
+            actions={"extend": do_extend, "hold": do_hold},
+        )
+        port = await server.start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{base}/extend", data="2h", headers=AUTH) as r:
+                    assert r.status == 200
+                    answer = await r.json()
+                    assert answer["extended_s"] == 7200.0
+                    assert answer["message"].startswith("deadline extended by 2h:")
+                async with session.post(f"{base}/extend", data="2x", headers=AUTH) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"].startswith("duration: '2x' is not")
+                async with session.post(f"{base}/hold", headers=AUTH) as r:
+                    assert r.status == 200
+                    assert (await r.json())["hold"]["remaining_s"] > 11 * 3600
+                state.phase = Phase.FINISHING
+                async with session.post(f"{base}/extend", data="1h", headers=AUTH) as r:
+                    assert r.status == 409
+                    assert "phase FINISHING" in (await r.json())["error"]
+                async with session.get(f"{base}/status") as r:
+                    shown = await r.json()
+        finally:
+            await server.stop()
+        assert shown["extended_s"] == 7200.0
+        assert shown["hold"]["active"] is True
+        assert [a["action"] for a in shown["actions"]] == ["extend", "hold"]
+
+    asyncio.run(main())

@@ -302,3 +302,37 @@ def test_wrapped_transfer_errors_are_classified_by_their_cause(hub: FakeHub) -> 
         err = sink(hub)._error("upload of w.pt", wrapped)
         assert err.retryable is retryable
         assert f"HTTP {status}" in str(err)
+
+
+# ---- download (resume from the target) ---------------------------------------------------------
+
+
+def test_download_fetches_a_checkpoint_and_checks_it(
+    hub: FakeHub, ckpt: Path, tmp_path: Path
+) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(ckpt, "weights/last.pt")
+    dest = tmp_path / "fresh" / "weights" / "last.pt"
+    got = s.download("weights/last.pt", dest)
+    assert got is not None and got.sha256 == sha256_file(ckpt)
+    assert dest.read_bytes() == ckpt.read_bytes()
+    assert s.download("weights/missing.pt", tmp_path / "m.pt") is None
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_truncated_download_is_refused_and_leaves_nothing(
+    hub: FakeHub, ckpt: Path, tmp_path: Path
+) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(ckpt, "weights/last.pt")
+    hub.truncate(fraction=0.5, times=None)
+    dest = tmp_path / "w" / "last.pt"
+    with pytest.raises(SinkError):
+        s.download("weights/last.pt", dest)
+    assert not dest.exists()
+    assert [p.name for p in dest.parent.iterdir()] == []
+    hub.clear_faults()
+    assert s.download("weights/last.pt", dest) is not None
+    assert sha256_file(dest) == sha256_file(ckpt)

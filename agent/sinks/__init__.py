@@ -51,6 +51,12 @@ class Sink(Protocol):
     def stat(self, remote_path: str) -> RemoteFile | None:
         """Read back the stored file's size and sha256; None when it is not there. Blocking."""
 
+    def download(self, remote_path: str, local: Path) -> RemoteFile | None:
+        """Fetch ``remote_path`` into ``local`` (written to a temp file beside it, checked
+        against the target's size and sha256, then renamed): a box that lost its disk, or a new
+        box, resumes from it. None when it is not there; SinkError when it cannot be read or
+        does not match. Blocking."""
+
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time)."""
@@ -59,6 +65,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def check_download(tmp: Path, local: Path, expected: RemoteFile, action: str) -> RemoteFile:
+    """Compare the downloaded ``tmp`` with what the target says, then move it into place."""
+    size = tmp.stat().st_size
+    digest = sha256_file(tmp)
+    if size != expected.size or digest != expected.sha256:
+        tmp.unlink(missing_ok=True)
+        raise SinkError(
+            f"{action}: got {size} bytes with sha256 {digest[:12]}, the target lists "
+            f"{expected.size} bytes with sha256 {expected.sha256[:12]}; not used"
+        )
+    tmp.replace(local)
+    return expected
 
 
 def make_sink(sync: SyncSection, env: Env) -> Sink:

@@ -37,7 +37,7 @@ from huggingface_hub import RepoFile, get_session, hf_hub_url, hf_raise_for_stat
 
 from .. import __version__, hub
 from ..config import Env
-from . import RemoteFile, SinkError
+from . import RemoteFile, SinkError, check_download
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,35 @@ class HubSink:
         except hub.CALL_ERRORS as exc:
             raise self._error(action, exc) from exc
 
+    def download(self, remote_path: str, local: Path) -> RemoteFile | None:
+        expected = self.stat(remote_path)
+        if expected is None:
+            return None
+        path = self._check(remote_path)
+        action = f"download of {path} from {self.description}"
+        url = hf_hub_url(self.repo_id, path, revision=self.revision, endpoint=self._endpoint)
+        tmp = local.with_name(f".{local.name}.download")
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with get_session().stream("GET", url, headers=self._headers()) as r:
+                hf_raise_for_status(r)
+                with open(tmp, "wb") as f:
+                    for chunk in r.iter_bytes():
+                        f.write(chunk)
+            return check_download(tmp, local, expected, action)
+        except hub.CALL_ERRORS as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._error(action, exc) from exc
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SinkError(f"{action} failed: {exc.strerror or exc}") from exc
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"user-agent": f"libreyolo-agent/{__version__}"}
+        if self._token:
+            headers["authorization"] = f"Bearer {self._token}"
+        return headers
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _check(self, remote_path: str) -> str:
@@ -117,9 +146,7 @@ class HubSink:
     def _hash_regular(self, path: str, entry: RepoFile, action: str) -> RemoteFile | None:
         """sha256 of a regular (non-LFS) file: download it (it is small) and hash it."""
         url = hf_hub_url(self.repo_id, path, revision=self.revision, endpoint=self._endpoint)
-        headers = {"user-agent": f"libreyolo-agent/{__version__}"}
-        if self._token:
-            headers["authorization"] = f"Bearer {self._token}"
+        headers = self._headers()
         sha256 = hashlib.sha256()
         git = hashlib.sha1(b"blob %d\0" % entry.size, usedforsecurity=False)
         size = 0

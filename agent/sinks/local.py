@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from . import RemoteFile, SinkError, sha256_file
+from . import RemoteFile, SinkError, check_download, sha256_file
 
 
 class LocalSink:
@@ -47,3 +47,16 @@ class LocalSink:
             return None
         except OSError as exc:
             raise SinkError(f"cannot read back {target}: {exc.strerror or exc}") from exc
+
+    def download(self, remote_path: str, local: Path) -> RemoteFile | None:
+        expected = self.stat(remote_path)
+        if expected is None:
+            return None
+        tmp = local.with_name(f".{local.name}.download")
+        try:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self._target(remote_path), tmp)
+            return check_download(tmp, local, expected, f"download of {remote_path}")
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SinkError(f"download of {remote_path} failed: {exc.strerror or exc}") from exc

@@ -20,7 +20,14 @@ Arguments (all optional; unknown keys such as ``model=`` or ``data=`` are accept
 that raises (0 = never), ``exit_code`` of that failure (1), ``error`` message of that failure,
 ``error_type`` (RuntimeError), ``ignore_sigint``, ``ignore_sigterm`` (false), ``child`` (false:
 start a helper process in its own session, like the multi-GPU coordinator, and write its pid to
-``RUN/child.pid``), ``ckpt_kb`` checkpoint payload size (4), ``project`` (runs), ``name`` (train).
+``RUN/child.pid``), ``ckpt_kb`` checkpoint payload size (4), ``project`` (runs), ``name``
+(train), ``exist_ok`` (false; true: reuse ``project/name`` as is), ``resume`` with
+``model=RUN/weights/last.pt`` (true: go on from the epoch stored in that checkpoint, in the same
+run dir with ``exist_ok``; like LibreYOLO, exit
+2 when nothing is left to train, exit 4 when the checkpoint cannot be read, and the train-end
+status.json counts only this invocation's epochs), ``hang_at`` epoch at whose start it stops making
+progress but stays alive (0 = never), ``fail_once_at`` epoch that fails only when the run dir has no
+``.failed_once`` marker yet (a transient crash).
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ DEFAULTS: dict[str, str] = {
     "ckpt_kb": "4",
     "project": "runs",
     "name": "train",
+    "exist_ok": "false",
+    "resume": "false",
+    "model": "",
+    "hang_at": "0",
+    "fail_once_at": "0",
 }
 
 SCRIPT = Path(__file__).resolve()
@@ -99,9 +111,20 @@ def write_checkpoint(path: Path, epoch: int, *, payload_kb: int = 4) -> None:
         zf.writestr("archive/version", b"3\n")
 
 
-def choose_save_dir(project: Path, name: str) -> Path:
+def read_checkpoint_epoch(path: Path) -> int | None:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return int(json.loads(zf.read("archive/data.pkl"))["epoch"])
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError):
+        return None
+
+
+def choose_save_dir(project: Path, name: str, *, exist_ok: bool = False) -> Path:
     """``exist_ok=false``: ``run1`` taken -> ``run12``, ``run13``... (no separator)."""
     candidate = project / name
+    if exist_ok:
+        candidate.mkdir(parents=True, exist_ok=True)
+        return candidate
     n = 2
     while candidate.exists():
         candidate = project / f"{name}{n}"
@@ -140,7 +163,22 @@ def main(argv: list[str]) -> int:
     save_period = int(opts["save_period"])
     fail_at = int(opts["fail_at"])
     ckpt_kb = int(opts["ckpt_kb"])
-    save_dir = choose_save_dir(Path(opts["project"]).resolve(), opts["name"])
+    hang_at = int(opts["hang_at"])
+    fail_once_at = int(opts["fail_once_at"])
+    start_epoch = 1
+    if truthy(opts["resume"]):
+        trained = read_checkpoint_epoch(Path(opts["model"]))
+        if trained is None:
+            print(json.dumps({"error": "model_load_failed", "message": "cannot load"}), flush=True)
+            return 4
+        if trained >= epochs:
+            msg = f"its run already trained {trained}/{epochs} epochs"
+            print(json.dumps({"error": "config_type_error", "message": msg}), flush=True)
+            return 2
+        start_epoch = trained + 1
+    save_dir = choose_save_dir(
+        Path(opts["project"]).resolve(), opts["name"], exist_ok=truthy(opts["exist_ok"])
+    )
     weights = save_dir / "weights"
     started = time.time()
     base: dict[str, Any] = {
@@ -151,7 +189,7 @@ def main(argv: list[str]) -> int:
         "task": "detect",
         "save_dir": str(save_dir),
         "total_epochs": epochs,
-        "start_epoch": 1,
+        "start_epoch": start_epoch,
         "started_at": now_iso(),
     }
 
@@ -174,10 +212,18 @@ def main(argv: list[str]) -> int:
     best_metric: float | None = None
     best_epoch: int | None = None
     try:
-        write_status(state="running", completed_epochs=0, current_epoch=None)
+        if start_epoch == 1:
+            (save_dir / "metrics.jsonl").unlink(missing_ok=True)
+        write_status(state="running", completed_epochs=start_epoch - 1, current_epoch=None)
         if truthy(opts["child"]):
             child = spawn_child(save_dir)
-        for epoch in range(1, epochs + 1):
+        for epoch in range(start_epoch, epochs + 1):
+            if epoch == hang_at:
+                while True:  # alive, no progress: a hung collective, a stuck data loader
+                    time.sleep(1)
+            if epoch == fail_once_at and not (save_dir / ".failed_once").exists():
+                (save_dir / ".failed_once").write_text("x")
+                raise RuntimeError(opts["error"])
             deadline = time.monotonic() + epoch_s
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, 0.02))
@@ -245,7 +291,7 @@ def main(argv: list[str]) -> int:
             child.returncode = 0  # keep Popen's destructor from warning about a running child
     write_status(
         state="completed",
-        completed_epochs=epochs,
+        completed_epochs=epochs - start_epoch + 1,  # LibreYOLO 1.6.0: this invocation's only
         total_seconds=round(time.time() - started, 3),
         best_metric=best_metric,
         best_epoch=best_epoch,
