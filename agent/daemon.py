@@ -21,6 +21,7 @@ from typing import Any
 
 from . import guardplan, hub, logutil, restart, signals, staging, steering, teardown
 from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
+from .crashpoints import crashpoint
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, effective_limits, read_price
 from .preemption import Notice, PreemptionWatcher
@@ -290,6 +291,7 @@ class Daemon(TrainingMixin):
                 return 0
             transition(self.state, Phase.STAGING)  # PREFLIGHT -> STAGING
             self._save()
+            crashpoint("staging")
             if not await self._staging():
                 await self._sync_reports()
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)

@@ -15,7 +15,81 @@ now() { date +%s.%N; }
   libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 
-only="${1:-all}"   # all | reattach | issue8
+only="${1:-all}"   # all | reattach | issue8 | issue11
+
+if [ "$only" = issue11 ]; then
+# Issue 11 on the GPU: (1) a reboot (agent and trainer SIGKILLed, another boot id) resumes from
+# last.pt in the same run dir and reaches every epoch; NVML load seen by the stall watch;
+# (2) SIGTERM declared a preemption: last.pt saved, trainer stopped, agent exits; the next boot
+# resumes (kind preempted) and completes.
+R="$OUT/issue11.txt"; echo "== issue 11: resume after a reboot, SIGTERM preemption, NVML" | tee "$R"
+python3 -c 'from pathlib import Path; from agent import demo; demo.make_dataset(Path("/tmp/i11/data"), train=64, val=16)'
+mkjob() { # $1 dir, $2 extra sections
+cat > "$1/job.toml" <<TOML
+[job]
+name = "gpu-i11"
+runs_dir = "$1/runs"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "/tmp/i11/data/data.yaml"
+epochs = 40
+imgsz = 320
+batch = 16
+workers = 2
+device = "0"
+save_period = 10
+[sync]
+target = "file://$1/synced"
+every_epochs = 1
+[limits]
+stall_timeout = "2m"
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:0"
+$2
+TOML
+}
+epoch_of() { agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null; }
+wait_epoch() { for _ in $(seq 1 600); do e=$(epoch_of); [ "${e:-0}" -ge "$1" ] && return 0; sleep 0.3; done; return 1; }
+# (1) reboot
+D=/tmp/i11/reboot; mkdir -p $D; mkjob $D ""; export LIBREYOLO_AGENT_STATE_DIR=$D/state
+python3 -m agent.cli run $D/job.toml > $D/agent1.log 2>&1 & a1=$!
+wait_epoch 5
+agent status --json | python3 -c 'import json,sys; s=json.load(sys.stdin)["supervision"]["stall"]; print("stall watch:", json.dumps({k: s.get(k) for k in ("threshold_s","quiet_s","mean_epoch_s","gpus")}))' >> "$R"
+tp=$(python3 -c "import json; print(json.load(open('$D/state/state.json'))['trainer']['pid'])")
+kill -9 $a1; python3 -c "import psutil; p=psutil.Process($tp); ps=[p,*p.children(recursive=True)]; [q.kill() for q in ps]; psutil.wait_procs(ps, timeout=30)"
+wait $a1 2>/dev/null
+echo "(1) agent and trainer SIGKILLed at epoch $(python3 -c "import json; print(json.load(open('$D/runs/gpu-i11/status.json'))['completed_epochs'])")" >> "$R"
+t0=$(now); LIBREYOLO_AGENT_BOOT_ID=simulated-reboot python3 -m agent.cli run $D/job.toml > $D/agent2.log 2>&1; echo "second agent exit $? after $(python3 -c "print(round($(now)-$t0,1))") s" >> "$R"
+grep -E "rebooted|resume|relaunch|trainer outcome|job gpu-i11 done|GPU|NVML" $D/agent2.log | cut -c1-220 >> "$R"
+python3 - "$D" >> "$R" <<'PY'
+import hashlib, json, sys
+from pathlib import Path
+d = Path(sys.argv[1]); run = d / "runs"
+st = json.loads((run / "gpu-i11" / "status.json").read_text())
+rows = [json.loads(l)["epoch"] for l in (run / "gpu-i11" / "metrics.jsonl").read_text().splitlines()]
+h = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+state = json.loads((d / "state" / "state.json").read_text())
+print("run dirs:", sorted(p.name for p in run.iterdir()), "start_epoch:", st["start_epoch"], "state:", st["state"])
+print("metrics epochs == 1..40 once each:", rows == list(range(1, 41)))
+print("last.pt local/target sha256:", h(run / "gpu-i11/weights/last.pt"), h(d / "synced/weights/last.pt"))
+print("reason:", state["reason"], "resumes:", [(r["kind"], r["epoch"]) for r in state["resumes"]])
+PY
+# (2) SIGTERM as a preemption notice
+D=/tmp/i11/preempt; mkdir -p $D; mkjob $D "[preemption]
+sigterm = true"; export LIBREYOLO_AGENT_STATE_DIR=$D/state
+python3 -m agent.cli run $D/job.toml > $D/agent1.log 2>&1 & a1=$!
+wait_epoch 5
+t0=$(now); kill -TERM $a1; wait $a1; echo "(2) SIGTERM at epoch $(epoch_of 2>/dev/null || true): agent exit $? after $(python3 -c "print(round($(now)-$t0,2))") s" >> "$R"
+grep -E "preempt|saving now|trainer stopped|uploaded\+verified weights/last.pt" $D/agent1.log | cut -c1-200 >> "$R"
+LIBREYOLO_AGENT_BOOT_ID=after-preemption python3 -m agent.cli run $D/job.toml > $D/agent2.log 2>&1; echo "next boot exit $?" >> "$R"
+python3 -c "import json; s=json.load(open('$D/state/state.json')); print('reason:', s['reason'], 'resumes:', [(r['kind'], r['epoch']) for r in s['resumes']])" >> "$R"
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$R"
+cat "$R"
+exit 0
+fi
 
 if [ "$only" = issue8 ]; then
 # Issue 8 on the GPU: (1) agent CPU while a stopped trainer winds down (it busy-looped: 26.5 s of

@@ -163,7 +163,9 @@ def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
 def test_trainer_killed_mid_run_is_reported_as_training_failed_with_cause(
     tmp_path: Path, dataset: Path
 ) -> None:
+    # limits.max_restarts = 0: the kill is not resumed (tests/test_supervise.py has the resumes).
     job = make_job(tmp_path, dataset, epochs=200)
+    job = dataclasses.replace(job, limits=dataclasses.replace(job.limits, max_restarts=0))
     env = env_for(tmp_path)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
