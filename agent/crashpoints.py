@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import signal
 
-#: The points: STAGING entered and recorded (nothing staged yet), right after the trainer is spawned (pid not yet recorded), right after an upload
-#: was sent (not yet read back), FINISHING with the final sync queued, TEARDOWN decided and
-#: recorded but not yet sent, TEARDOWN sent and recorded as sent but not yet read back.
+#: The points: STAGING entered and recorded (nothing staged yet), right after the trainer is
+#: spawned (pid not yet recorded), right after an upload was sent (not yet read back), FINISHING
+#: with the final sync queued, TEARDOWN decided and recorded but not yet sent, TEARDOWN sent and
+#: recorded as sent but not yet read back.
 POINTS = (
     "staging",
     "after-launch",

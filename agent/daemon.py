@@ -22,6 +22,7 @@ from typing import Any
 from . import guardplan, hub, logutil, restart, signals, staging, steering, teardown
 from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
 from .crashpoints import crashpoint
+from .events import EventBus
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, effective_limits, read_price
 from .preemption import Notice, PreemptionWatcher
@@ -134,6 +135,9 @@ class Daemon(TrainingMixin):
         self._exit_code: int | None = None
         #: Set by ``release``: a HELD box goes on to its teardown.
         self._released = asyncio.Event()
+        #: What happened, for ``GET /events``, the page and the webhooks (agent/events.py).
+        self.events = EventBus(clock=clock)
+        self._history_published = 0
 
     # ------------------------------------------------------------------ entry
 
@@ -201,6 +205,12 @@ class Daemon(TrainingMixin):
         resume_at = self._adopt(previous)
         if resume_at is None:
             return 0
+        self.events.publish(
+            "job_started",
+            job=self.job.job.name,
+            phase=resume_at.value,
+            restarted=previous is not None,
+        )
         if self.start_guard:  # the safety net if this agent dies for good (agent/guard.py)
             plan = guardplan.write_plan(
                 self.env.state_dir,
@@ -253,6 +263,7 @@ class Daemon(TrainingMixin):
         # Carry over what must survive restarts: the job's clock, its history, its trainer.
         was = previous.phase
         self.state = previous
+        self._history_published = len(previous.history)  # old phases are not news
         self.state.agent_pid = os.getpid()
         self.state.history.append(
             {"at": self.clock(), "event": "agent restarted", "was": was.value}
@@ -401,6 +412,13 @@ class Daemon(TrainingMixin):
         if not resumed or record is None:
             action, why = self._teardown_action(reason, can_stop=provider.can_stop)
             (log.error if "KEPT" in why else log.info)("teardown decision: %s (%s)", action, why)
+            self.events.publish(
+                "teardown",
+                action=action,
+                why=why,
+                provider=provider.name,
+                downgraded="downgraded" in why or "KEPT" in why,
+            )
             self.state.teardown = record = {
                 "provider": provider.name,
                 "action": action,
@@ -412,6 +430,7 @@ class Daemon(TrainingMixin):
         result = await teardown.carry_out(
             provider, record, reason, resumed=resumed, save=self._save
         )
+        self.events.publish("teardown_confirmed", **result.to_dict())
         record.update(result.to_dict())
         if self.box_fault:  # resuming on this box would fail again: a new box is needed
             record["box_fault"] = self.box_fault
@@ -423,6 +442,9 @@ class Daemon(TrainingMixin):
         log.info(
             "job %s done: reason=%s cause=%s", self.job.job.name, reason.value, self.state.cause
         )
+        if reason != Reason.COMPLETED:
+            self.events.publish("failure", reason=reason.value, cause=self.state.cause)
+        self.events.publish("done", reason=reason.value, cause=self.state.cause)
         return 0
 
     async def _watch_gpus(self) -> None:
@@ -472,6 +494,7 @@ class Daemon(TrainingMixin):
             self.state, seconds, now=self.clock(), max_runtime_s=self.job.limits.max_runtime_s
         )
         self._save()
+        self.events.publish("steering", action="extend", seconds=seconds)
         if self.start_guard:  # the guard's hard deadline moves with it
             with contextlib.suppress(OSError):
                 guardplan.write_plan(
@@ -486,11 +509,13 @@ class Daemon(TrainingMixin):
         timeout = steering.parse_request_duration(body, default=self.job.teardown.hold_timeout_s)
         answer = steering.hold(self.state, now=self.clock(), timeout_s=timeout)
         self._save()
+        self.events.publish("steering", action="hold", seconds=timeout)
         return answer
 
     async def _request_release(self, body: str) -> dict[str, Any]:
         answer = steering.release(self.state, now=self.clock())
         self._save()
+        self.events.publish("steering", action="release")
         self._released.set()
         return answer
 
@@ -598,10 +623,27 @@ class Daemon(TrainingMixin):
         if self.server is not None:
             await self.server.stop()
 
+    def _publish_phases(self) -> None:
+        """Every phase change recorded in the history since the last save, as an event."""
+        history = self.state.history
+        for entry in history[self._history_published :]:
+            if "to" in entry:
+                self.events.publish(
+                    "phase",
+                    **{
+                        "from": entry.get("from"),
+                        "to": entry["to"],
+                        "reason": entry.get("reason"),
+                        "note": entry.get("note"),
+                    },
+                )
+        self._history_published = len(history)
+
     def _save(self, *, required: bool = False) -> None:
         """Persist the state. Out of disk the agent keeps supervising with the state in memory
         (and says so in /status); ``required`` saves (a launch intent, a teardown decision)
         raise instead, because acting without the record could not be undone safely."""
+        self._publish_phases()
         try:
             self.store.save(self.state)
         except OSError as exc:

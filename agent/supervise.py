@@ -128,7 +128,10 @@ class TrainingMixin:
             elif reason != Reason.TRAINING_FAILED and reason != Reason.STALLED:
                 return reason
             self.reason_hint = None
-            if not await self._resume_or_not(stop_reason):
+            resumed = await self._resume_or_not(stop_reason)
+            if resumed is None:
+                return None  # the agent is exiting; state.json still holds the dead trainer
+            if not resumed:
                 return self.reason_hint or reason
 
     # ------------------------------------------------------------------ one trainer
@@ -141,7 +144,11 @@ class TrainingMixin:
         self._exit_code = None
         launched_at = self.clock()
         self._last_progress_at = launched_at
-        if self.state.trainer is not None:
+        if self.trainer is not None and self.trainer.record is self.state.trainer:
+            # Launched by this agent (a resume, in _resume_or_not): follow it as our child.
+            # Re-attaching would lose its exit code and leave it a zombie nobody reaps.
+            launched_at = self.state.trainer.started_at
+        elif self.state.trainer is not None:
             launched_at = self.state.trainer.started_at
             self.trainer = None if self.rebooted else self.launcher.attach(self.state.trainer)
             if self.trainer is None:
@@ -269,7 +276,7 @@ class TrainingMixin:
                 await self._save_now()
                 return Reason.TRAINING_FAILED
         if self.disk_stop is not None:
-            self.breach_message = f"disk full: {self.disk_stop}"
+            self.breach_message = self.disk_stop  # it says "disk full: ..." itself
             return Reason.DISK_FULL
         if self.progress is not None:
             await asyncio.to_thread(
@@ -401,9 +408,16 @@ class TrainingMixin:
                 return None
             got = await asyncio.to_thread(self.sync.sink.download, "status.json", local_status)
         except SinkError as exc:
-            raise TrainerError(
-                f"cannot read the sync target to check for an earlier run of this job: {exc}"
-            ) from exc
+            # Not knowing must not block training (the target may be down for hours); a repo that
+            # does not exist yet simply holds no earlier run.
+            if "was not found" not in str(exc):
+                log.warning(
+                    "cannot read the sync target to check for an earlier run of this job (%s); "
+                    "training from scratch: checkpoints an earlier box uploaded there would be "
+                    "overwritten",
+                    exc,
+                )
+            return None
         status = read_status(run_dir) if got is not None else None
         if status is not None and status.state == "completed":
             raise _AlreadyDone(
@@ -459,9 +473,23 @@ class TrainingMixin:
 
     # ------------------------------------------------------------------ resuming
 
-    async def _resume_or_not(self, stop_reason: Reason | None) -> bool:
+    async def _backoff(self, seconds: float) -> None:
+        """Wait before a resume; a stop request or the agent exiting cuts it short."""
+        assert self.flags is not None
+        events = (self.flags.shutdown, self.flags.stop_job)
+        if seconds <= 0 or any(e.is_set() for e in events):
+            return
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def _resume_or_not(self, stop_reason: Reason | None) -> bool | None:
         """The trainer ended without a clean end: resume it (True, after the backoff and with
-        the new trainer launched) or not (False: the run ends; the cause says why)."""
+        the new trainer launched) or not (False: the run ends; the cause says why). None: the
+        agent is exiting before the resume (the next agent decides again)."""
         assert self.flags is not None
         outcome = self._outcome
         if outcome is None:
@@ -507,6 +535,18 @@ class TrainingMixin:
             total = self.status.total_epochs if self.status else None
             argv = self._resume_argv(run_dir, total)
         log.warning("%s: relaunching in %.0fs", decision.why, decision.wait_s)
+        # The backoff comes before anything is recorded: an agent that exits meanwhile leaves
+        # the dead trainer in state.json, and the next agent takes the same decision afresh
+        # (recording the resume first would count it twice: "the same failure twice").
+        await self._backoff(decision.wait_s)
+        if self.flags.shutdown.is_set():
+            log.info("agent exiting before the resume; the next agent resumes the trainer")
+            return None
+        if self.flags.stop_job.is_set():
+            self.reason_hint = Reason.STOPPED_BY_USER
+            self.state.cause = f"{self.state.cause}; stop requested before the resume"
+            log.warning("stop requested: not resuming the trainer")
+            return False
         self.state.resumes.append(
             resume.death_record(outcome, self.status, now=self.clock(), cause=cause)
         )
@@ -519,14 +559,13 @@ class TrainingMixin:
         self.rebooted = False
         self.breach_message = None
         self._save()
-        if decision.wait_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.flags.shutdown.wait(), decision.wait_s)
-        if self.flags.shutdown.is_set():
-            return False
         if argv is None:
             # Died before its first epoch: start it over, in the same run dir when known.
-            argv = build_argv(self.job) if run_dir is None else self._fresh_argv_in(run_dir)
+            argv = (
+                list(self.launcher.argv(self.job))
+                if run_dir is None
+                else self._fresh_argv_in(run_dir)
+            )
         failed = await self._launch_or_adopt(argv)
         if failed is not None:
             self.reason_hint = failed
@@ -556,13 +595,21 @@ class TrainingMixin:
             await self._save_now()
             await self.sync.drain(PREEMPT_UPLOAD_S)
         self._save()
+        saved = self.sync.verified_remote("weights/last.pt") if self.sync is not None else None
+        if saved is not None:
+            what = f"last.pt saved (epoch {saved.epoch}, verified on the target)"
+        elif self.sync is None:
+            what = "no [sync] target: last.pt stays on this box only"
+        else:
+            what = "last.pt could NOT be saved to the target (see the sync errors above)"
+        (log.warning if saved is not None else log.error)("preempted: %s", what)
         if notice is None or notice.source == "sigterm":
-            log.warning("preempted: last.pt saved; the agent exits and the next boot resumes")
+            log.warning("preempted: the agent exits and the next boot resumes")
             return False
         wait = PREEMPT_SURVIVAL_S
         if notice.action_at is not None:
             wait = max(wait, notice.action_at - time.time() + 120.0)
-        log.warning("preempted: last.pt saved; waiting up to %.0fs for the box to go", wait)
+        log.warning("preempted: waiting up to %.0fs for the box to go", wait)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flags.shutdown.wait(), wait)
         if self.flags.shutdown.is_set():
@@ -669,7 +716,7 @@ class TrainingMixin:
                 await self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
             stop = await self._check_disk()
             if stop is not None and self.disk_stop is None:
-                log.error("disk: %s", stop)
+                log.error("%s", stop)
                 self.disk_stop = stop
             self._save()
 

@@ -63,6 +63,9 @@ log = logging.getLogger("agent.sync")
 REPORT_SYNC_TIMEOUT_S = 120.0
 
 #: Extra files from the state directory that ride along under ``agent/`` in the target.
+#: ``save_now``: how often a torn (being written) checkpoint is tried again, and the first wait.
+SAVE_NOW_TRIES = 6
+SAVE_NOW_WAIT_S = 0.25
 AGENT_FILES = ("state.json", "trainer.log", "preflight.json", "staging.json", "agent.log")
 #: At most one warning line per path and distinct error in this many seconds.
 LOG_EVERY_S = 60.0
@@ -215,13 +218,23 @@ class SyncEngine:
         async with self._files:
             queued = 0
             for name, kind in (("last.pt", ItemKind.LAST), ("best.pt", ItemKind.BEST)):
-                outcome = await self._queue_file(
-                    run_dir / "weights" / name, f"weights/{name}", epoch, kind
-                )
+                src = run_dir / "weights" / name
+                for attempt in range(SAVE_NOW_TRIES):
+                    outcome = await self._queue_file(src, f"weights/{name}", epoch, kind)
+                    # A torn file is the trainer writing it right now: it is whole again in
+                    # moments, and this may be the last chance to get it off the box.
+                    if outcome != "unavailable" or not src.exists():
+                        break
+                    await asyncio.sleep(SAVE_NOW_WAIT_S * (attempt + 1))
                 queued += outcome == "queued"
         self.retry_now()
         log.info("saving now: %d checkpoint(s) queued", queued)
         return queued
+
+    def verified_remote(self, remote_path: str) -> LedgerEntry | None:
+        """The ledger's verified entry for ``remote_path``, or None."""
+        entry = self.ledger.entries.get(remote_path)
+        return entry if entry is not None and entry.status == LedgerStatus.VERIFIED else None
 
     def is_verified(self, path: Path) -> bool:
         """Whether the target holds ``path``'s current content, verified (ledger entry with this
