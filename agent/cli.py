@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 import urllib.error
@@ -274,54 +275,37 @@ def _unreachable(exc: OSError) -> str:
     return str(reason) or type(reason).__name__
 
 
-def _format_status(s: dict[str, Any]) -> str:
-    epoch = f"{s.get('epoch')}/{s.get('total_epochs')}" if s.get("epoch") is not None else "-"
-    eta = s.get("eta_seconds")
-    sync = s.get("sync") or {}
-    last = (sync.get("last_verified_checkpoint") or {}) if sync else {}
-    rows = [
-        ("job", s.get("job")),
-        ("phase", s.get("phase")),
-        ("reason", s.get("reason") or "-"),
-        ("cause", s.get("cause") or "-"),
-        ("epoch", epoch),
-        ("eta", f"{eta:.0f}s" if isinstance(eta, int | float) else "-"),
-        ("last synced epoch", s.get("last_synced_epoch")),
-        ("last verified", f"{last.get('path')} (epoch {last.get('epoch')})" if last else "-"),
-        ("upload queue", len(sync.get("queue", [])) if sync else "-"),
-        ("run dir", s.get("run_dir") or "-"),
-    ]
-    return "\n".join(f"{k:<18} {v}" for k, v in rows)
+def _ended_report(record: RunState | None, state_dir: Path) -> dict[str, Any] | None:
+    """The post-mortem (report.json) of the job the state file describes, when it has ended;
+    with no state file, whatever report.json is there. None when there is none, or when it is
+    an older run's (the state file was removed and the job started again)."""
+    from . import report
+
+    found = report.load(state_dir)
+    if found is None or record is None:
+        return found
+    if not record.phase.terminal or found.get("started_at") != record.started_at:
+        return None
+    return found
 
 
-def _ended_record(record: RunState, path: Path) -> dict[str, Any]:
-    """What ``status`` says of an ended job when no agent runs: its state file's verdict."""
-    return {
-        "source": "state_file",
-        "state_file": str(path),
-        "agent_running": False,
-        "ended": True,
-        "job": record.job_name,
-        "phase": record.phase.value,
-        "reason": record.reason.value if record.reason else None,
-        "cause": record.cause,
-        "teardown": record.teardown,
-        "updated_at": record.updated_at,
-    }
+def _print_ended(args: argparse.Namespace, state_dir: Path) -> bool:
+    """Print the record of the ended job in ``state_dir`` (report.json, else state.json's
+    verdict); False when there is none (the job has not ended, or nothing is there)."""
+    from . import report, statusfmt
 
-
-def _format_ended(d: dict[str, Any]) -> str:
-    ended = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(d["updated_at"]))
-    rows = [
-        ("job", d["job"]),
-        ("phase", d["phase"]),
-        ("reason", d["reason"] or "-"),
-        ("cause", d["cause"] or "-"),
-        ("teardown", _teardown_line(d["teardown"])),
-        ("last written", ended),
-    ]
-    head = f"no agent is running; this is the record of an ended job, from {d['state_file']}:"
-    return "\n".join([head, *(f"{k:<18} {v}" for k, v in rows)])
+    record = _read_state(state_dir)
+    found = _ended_report(record, state_dir)
+    if found is not None and not (args.json and record is not None):
+        source = str(state_dir / report.JSON_NAME)
+        text = statusfmt.report_summary(found, source)
+        print(json.dumps(found, indent=2) if args.json else text, flush=True)
+        return True
+    if record is not None and record.phase.terminal:
+        d = statusfmt.ended_record(record, StateStore(state_dir).state_path)
+        print(json.dumps(d, indent=2) if args.json else statusfmt.format_ended(d), flush=True)
+        return True
+    return False
 
 
 def _status_without_agent(
@@ -329,12 +313,10 @@ def _status_without_agent(
 ) -> int:
     # With --url alone the local state directory may belong to another agent: not asked then.
     asked = bool(args.state_dir or not args.url)
+    if asked and _print_ended(args, state_dir):
+        return EXIT_OK
     record = _read_state(state_dir) if asked else None
     path = StateStore(state_dir).state_path
-    if record is not None and record.phase.terminal:
-        d = _ended_record(record, path)
-        print(json.dumps(d, indent=2) if args.json else _format_ended(d), flush=True)
-        return EXIT_OK
     why = _unreachable(exc)
     if record is not None:
         _err(
@@ -353,26 +335,81 @@ def _status_without_agent(
     return EXIT_FAIL
 
 
+def _get_status(base: str) -> dict[str, Any] | int | OSError:
+    """``GET /status``: the document; an exit code after printing why it is unusable; or the
+    error when nothing answers."""
+    try:
+        return _http("GET", f"{base}/status")
+    except urllib.error.HTTPError as exc:
+        _err(f"the agent on {base} answered HTTP {exc.code} to GET /status")
+        return EXIT_FAIL
+    except (urllib.error.URLError, OSError) as exc:
+        # The job ended (the agent exits then) or the agent is down: the state file says.
+        return exc
+    except ValueError:
+        _err(f"{base} answered GET /status, but not with libreyolo-agent's JSON; check --url")
+        return EXIT_FAIL
+
+
+def _fancy_terminal() -> bool:
+    """Redraw in place only on a real terminal that understands ANSI escapes."""
+    return sys.stdout.isatty() and os.environ.get("TERM", "dumb") not in ("dumb", "")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from . import statusfmt
+
     base, state_dir = _endpoint(args)
+    if args.watch and not args.json:
+        return _watch(args, base, state_dir)
     while True:
-        try:
-            s = _http("GET", f"{base}/status")
-        except urllib.error.HTTPError as exc:
-            _err(f"the agent on {base} answered HTTP {exc.code} to GET /status")
-            return EXIT_FAIL
-        except (urllib.error.URLError, OSError) as exc:
-            # The job ended (the agent exits then) or the agent is down: the state file says.
-            return _status_without_agent(args, base, state_dir, exc)
-        except ValueError:
-            _err(f"{base} answered GET /status, but not with libreyolo-agent's JSON; check --url")
-            return EXIT_FAIL
-        print(json.dumps(s, indent=2) if args.json else _format_status(s), flush=True)
+        got = _get_status(base)
+        if isinstance(got, int):
+            return got
+        if isinstance(got, OSError):
+            return _status_without_agent(args, base, state_dir, got)
+        s = got
+        print(
+            json.dumps(s, indent=2) if args.json else statusfmt.summary(s, time.time()),
+            flush=True,
+        )
         if not args.watch or s.get("phase") in ("DONE", "FAILED"):
             return EXIT_OK
         time.sleep(args.interval)
-        if not args.json:
-            print()
+
+
+def _watch(args: argparse.Namespace, base: str, state_dir: Path) -> int:
+    """``status --watch``: the summary redrawn in place on a terminal (one plain line per change
+    on a pipe or a dumb terminal) until the job ends or its agent goes away, then the ended
+    job's record (report.json, else state.json), else the last summary read."""
+    from . import statusfmt
+
+    view = statusfmt.WatchView(
+        fancy=_fancy_terminal(), width=shutil.get_terminal_size().columns - 1
+    )
+    last: dict[str, Any] | None = None
+    while True:
+        got = _get_status(base)
+        if isinstance(got, int):
+            return got
+        if isinstance(got, OSError) or got.get("phase") in ("DONE", "FAILED"):
+            break
+        last = got
+        sys.stdout.write(view.frame(got, time.time()))
+        sys.stdout.flush()
+        time.sleep(args.interval)
+    sys.stdout.write(view.erase())  # the final record replaces the live summary
+    asked = bool(args.state_dir or not args.url)
+    if asked and _print_ended(args, state_dir):
+        return EXIT_OK
+    if isinstance(got, dict):  # ended, as the agent said; no record here (a remote --url)
+        print(statusfmt.summary(got, time.time()), flush=True)
+        return EXIT_OK
+    if last is not None and not asked:
+        print(statusfmt.summary(last, time.time()), flush=True)
+        _err(f"the agent on {base} stopped answering ({_unreachable(got)}) before the job ended")
+        return EXIT_FAIL
+    return _status_without_agent(args, base, state_dir, got)
 
 
 def _refusal(exc: urllib.error.HTTPError, path: str) -> str:
@@ -550,12 +587,17 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "status":
             s.add_argument("--json", action="store_true", help="print the status as JSON")
-            s.add_argument("--watch", action="store_true", help="repeat until the job ends")
+            s.add_argument(
+                "--watch",
+                action="store_true",
+                help="redraw a progress summary until the job ends (one line per change on a "
+                "pipe or a dumb terminal), then print the ended job's record",
+            )
             s.add_argument(
                 "--interval",
                 type=float,
-                default=5.0,
-                help="seconds between two reads with --watch (default: 5)",
+                default=2.0,
+                help="seconds between two reads with --watch (default: 2)",
             )
         s.set_defaults(func=func)
 

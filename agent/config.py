@@ -308,6 +308,75 @@ class PreemptionSection:
     poll_interval_s: float = 5.0
 
 
+#: Event kinds (agent/events.py) a webhook can be sent, by ``[notify] events``. ``epoch`` is
+#: not among them: per-epoch notices are chosen with ``[notify] every_epochs``.
+NOTIFY_EVENTS = (
+    "job_started",
+    "phase",
+    "training_started",
+    "best",
+    "upload",
+    "warning",
+    "stall",
+    "resume",
+    "preempted",
+    "teardown",
+    "teardown_sent",
+    "teardown_confirmed",
+    "failure",
+    "done",
+    "steering",
+)
+#: What a webhook is sent unless ``[notify] events`` says otherwise: what a sleeping person
+#: wants to wake up to, not every phase change or upload.
+DEFAULT_NOTIFY_EVENTS = (
+    "job_started",
+    "training_started",
+    "best",
+    "stall",
+    "warning",
+    "resume",
+    "preempted",
+    "teardown",
+    "teardown_sent",
+    "teardown_confirmed",
+    "failure",
+    "done",
+)
+
+
+@dataclass(frozen=True)
+class NotifySection:
+    """Webhook notices (``[notify]``), sent by :mod:`agent.notify`: a Slack- and
+    Discord-compatible JSON body (``text``, ``content``) plus the structured event."""
+
+    #: The http(s) URL the notices are POSTed to. Slack and Discord webhooks carry their secret
+    #: in the path, so the whole URL is treated as a secret: never logged, never in ``repr``,
+    #: shown as :attr:`shown` (``https://hooks.slack.com/...``).
+    webhook: str = field(repr=False)
+    #: Which event kinds are sent (a subset of :data:`NOTIFY_EVENTS`); default
+    #: :data:`DEFAULT_NOTIFY_EVENTS`.
+    events: tuple[str, ...] = DEFAULT_NOTIFY_EVENTS
+    #: Also send a notice every N completed epochs (and at the last one); 0 (default): none.
+    every_epochs: int = 0
+    #: Seconds one POST may take before it counts as failed and is retried
+    #: (``notify.timeout``, a duration; default 10 s).
+    timeout_s: float = 10.0
+
+    @property
+    def shown(self) -> str:
+        """The webhook as logs and messages may show it: scheme and host only."""
+        try:
+            parsed = urlsplit(self.webhook)
+            host = parsed.hostname
+        except ValueError:
+            return "<webhook>"
+        if not parsed.scheme or not host:
+            return "<webhook>"
+        host = f"[{host}]" if ":" in host else host
+        return f"{parsed.scheme}://{host}/..."
+
+
 @dataclass(frozen=True)
 class Env:
     """What the agent reads from the environment. Secrets never appear in ``repr``."""
@@ -383,5 +452,7 @@ class Job:
     server: ServerSection = ServerSection()
     preflight: PreflightSection = PreflightSection()
     preemption: PreemptionSection = PreemptionSection()
+    #: Webhook notices, or None when the job has no ``[notify]`` table.
+    notify: NotifySection | None = None
     #: Where the job came from (a path, or ``<demo>``); for messages only.
     source: str = "<memory>"

@@ -19,12 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import guardplan, hub, logutil, restart, signals, staging, steering, teardown
+from . import guardplan, hub, logutil, restart, signals, staging, teardown
 from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
+from .control import AgentError as AgentError  # re-exported: the CLI catches it
+from .control import ControlMixin
 from .crashpoints import crashpoint
 from .events import EventBus
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, effective_limits, read_price
+from .notify import Notifier
 from .preemption import Notice, PreemptionWatcher
 from .progress import ProgressTracker
 from .providers import Provider, make_provider
@@ -41,7 +44,6 @@ from .state import (
     StateStore,
     transition,
 )
-from .status import StatusInputs, status_document
 from .supervise import TrainingMixin
 from .sync import AGENT_FILES, SyncEngine
 from .text import os_error
@@ -50,11 +52,7 @@ from .trainer import Launcher, Outcome, ProcessLauncher, TrainerProcess
 log = logging.getLogger("agent.daemon")
 
 
-class AgentError(Exception):
-    """The agent cannot go on (state directory unusable, job/state mismatch...)."""
-
-
-class Daemon(TrainingMixin):
+class Daemon(TrainingMixin, ControlMixin):
     def __init__(
         self,
         job: Job,
@@ -138,6 +136,17 @@ class Daemon(TrainingMixin):
         #: What happened, for ``GET /events``, the page and the webhooks (agent/events.py).
         self.events = EventBus(clock=clock)
         self._history_published = 0
+        #: Warnings of this run, for the post-mortem report.
+        self.warnings: list[str] = []
+        self.events.listen(self._note_warning)
+        #: Webhook notices ([notify]), or None (agent/notify.py).
+        self.notifier: Notifier | None = (
+            Notifier(
+                job.notify, self.events, secrets=[v for _, v in env.secrets()], job=job.job.name
+            )
+            if job.notify is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ entry
 
@@ -205,6 +214,8 @@ class Daemon(TrainingMixin):
         resume_at = self._adopt(previous)
         if resume_at is None:
             return 0
+        if self.notifier is not None:
+            self._spawn(self.notifier.run(), "notify")
         self.events.publish(
             "job_started",
             job=self.job.job.name,
@@ -225,6 +236,7 @@ class Daemon(TrainingMixin):
         if self.job.sync is not None:
             sink = self._sink or make_sink(self.job.sync, self.env)
             self.sync = SyncEngine(sink, self.job.sync, state_dir=self.env.state_dir)
+            self.sync.uploads.on_outcome = lambda **d: self.events.publish("upload", **d)
             # What a killed agent promised and had not delivered is queued again; its leftover
             # snapshots are reused or removed.
             await self.sync.recover(self.run_dir)
@@ -427,6 +439,10 @@ class Daemon(TrainingMixin):
                 "instance_id": await teardown.instance_id(provider),
             }
             self._save(required=True)  # irreversible steps are recorded as started first
+        # The story of the run leaves the box before a destroy may end this agent with it.
+        await self._send_report(self._write_report())
+        if self.notifier is not None:
+            await self.notifier.flush(10.0)  # the last word leaves before the box may be gone
         result = await teardown.carry_out(
             provider, record, reason, resumed=resumed, save=self._save
         )
@@ -437,6 +453,9 @@ class Daemon(TrainingMixin):
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
         self._save()
+        paths = self._write_report()  # before anyone can read DONE and look for it
+        if record.get("action") != "destroy":
+            await self._send_report(paths)  # the box is still there: the final version too
         if self.sync is not None:
             await self.sync.cleanup()
         log.info(
@@ -456,79 +475,6 @@ class Daemon(TrainingMixin):
                 log.info("watching GPU health through NVML")
         if self.progress is not None and self.gpu is not None:
             self.progress = ProgressTracker(self.job.limits, clock=self.clock, gpu=self.gpu)
-
-    async def _held(self) -> bool:
-        """``hold``: keep the box up (phase HELD, nothing torn down) until ``release`` or the
-        hold's own timeout. False when the agent exits meanwhile (state.json says HELD)."""
-        assert self.flags is not None
-        if not steering.hold_active(self.state, self.clock()):
-            return True
-        transition(self.state, Phase.HELD, note="held by a person")  # TEARDOWN -> HELD
-        self._save()
-        while steering.hold_active(self.state, self.clock()):
-            left = steering.hold_remaining_s(self.state, self.clock()) or 0.0
-            log.info("HELD: the box stays up until release or %.0fs from now", left)
-            self._released.clear()
-            waiters = [
-                asyncio.ensure_future(self._released.wait()),
-                asyncio.ensure_future(self.flags.shutdown.wait()),
-            ]
-            try:
-                await asyncio.wait(
-                    waiters, timeout=min(max(left, 0.0), 600.0), return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                for w in waiters:
-                    w.cancel()
-            if self.flags.shutdown.is_set():
-                return False
-        why = "released" if (self.state.hold or {}).get("released_at") else "hold timed out"
-        log.info("HELD -> TEARDOWN (%s)", why)
-        transition(self.state, Phase.TEARDOWN, note=why)  # HELD -> TEARDOWN
-        self._save()
-        return True
-
-    async def _request_extend(self, body: str) -> dict[str, Any]:
-        seconds = steering.parse_request_duration(body)
-        answer = steering.extend(
-            self.state, seconds, now=self.clock(), max_runtime_s=self.job.limits.max_runtime_s
-        )
-        self._save()
-        self.events.publish("steering", action="extend", seconds=seconds)
-        if self.start_guard:  # the guard's hard deadline moves with it
-            with contextlib.suppress(OSError):
-                guardplan.write_plan(
-                    self.env.state_dir,
-                    self.job,
-                    self.state.started_at,
-                    extended_s=self.state.extended_s,
-                )
-        return answer
-
-    async def _request_hold(self, body: str) -> dict[str, Any]:
-        timeout = steering.parse_request_duration(body, default=self.job.teardown.hold_timeout_s)
-        answer = steering.hold(self.state, now=self.clock(), timeout_s=timeout)
-        self._save()
-        self.events.publish("steering", action="hold", seconds=timeout)
-        return answer
-
-    async def _request_release(self, body: str) -> dict[str, Any]:
-        answer = steering.release(self.state, now=self.clock())
-        self._save()
-        self.events.publish("steering", action="release")
-        self._released.set()
-        return answer
-
-    def _sigterm_notice(self) -> None:
-        """``[preemption] sigterm = true``: a SIGTERM is the provider reclaiming the box."""
-        assert self.flags is not None
-        if self.state.phase != Phase.TRAINING or self.trainer is None:
-            self.flags.shutdown.set()  # nothing to save yet (or already saving): just exit
-            return
-        self.notice = Notice(
-            "sigterm", "SIGTERM to the agent (declared a preemption)", self.clock()
-        )
-        self.flags.preempt.set()
 
     def limits(self) -> LimitsSection:
         """The job's limits, with the provider's real price where the job says ``auto``."""
@@ -557,38 +503,6 @@ class Daemon(TrainingMixin):
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _start_server(self) -> None:
-        cfg = self.job.server
-        self.server = StatusServer(
-            cfg.host,
-            cfg.port,
-            token=self.store.token(),
-            status=self.status_dict,
-            actions={
-                "stop": lambda _body: self._request_stop(),
-                "extend": self._request_extend,
-                "hold": self._request_hold,
-                "release": self._request_release,
-            },
-        )
-        try:
-            port = await self.server.start()
-        except OSError as exc:
-            raise AgentError(
-                f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; "
-                "set [server] listen to a free port"
-            ) from exc
-        self.state.server = {"host": cfg.host, "port": port}
-
-    async def _request_stop(self) -> dict[str, Any]:
-        assert self.flags is not None
-        self.flags.stop_job.set()
-        return {
-            "ok": True,
-            "phase": self.state.phase.value,
-            "message": "stop requested: the trainer gets SIGINT, then the final sync runs",
-        }
-
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
@@ -609,6 +523,11 @@ class Daemon(TrainingMixin):
             ):
                 await self.sync.drain(5.0)
             await self.sync.close()
+        # The last notices (done, failure) go out before the notifier's task is cancelled.
+        if self.notifier is not None:
+            if not (self.flags and self.flags.force.is_set()):
+                await self.notifier.flush(5.0)
+            await self.notifier.close()
         # 3. Cancel the remaining long-lived tasks and say how many there were.
         tasks = list(self._tasks)
         for task in tasks:
@@ -657,36 +576,3 @@ class Daemon(TrainingMixin):
             if self.state_write_error is not None:
                 log.info("state.json written again")
             self.state_write_error = None
-
-    # ------------------------------------------------------------------ status
-
-    def status_dict(self) -> dict[str, Any]:
-        return status_document(
-            StatusInputs(
-                job=self.job,
-                state=self.state,
-                status=self.status,
-                run_dir=self.run_dir,
-                sync=self.sync.status() if self.sync else None,
-                last_synced_epoch=self.sync.last_synced_epoch if self.sync else None,
-                preflight=self.preflight_report,
-                staging=self.staging_report,
-                state_write_error=self.state_write_error,
-                now=self.clock(),
-                limits=self.limits(),
-                reserve_s=self._reserve_s(),
-                supervision=self._supervision(),
-            )
-        )
-
-    def _supervision(self) -> dict[str, Any]:
-        return {
-            "resumes": self.state.resumes,
-            "max_restarts": self.job.limits.max_restarts,
-            "rebooted": self.rebooted,
-            "preempted": self.state.preempted,
-            "preemption": self.watcher.status() if self.watcher else None,
-            "box_fault": self.box_fault,
-            "stall": self.progress.snapshot() if self.progress else None,
-            "disk_stop": self.disk_stop,
-        }

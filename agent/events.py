@@ -14,7 +14,7 @@ Kinds (``Event.kind``) and their ``data``:
 - ``best`` {epoch, metric, metric_name}: a new best checkpoint
 - ``upload`` {path, epoch, size, ok, error}: an upload was verified (ok) or failed
 - ``warning`` {message}: something needs a look (stall, budget/deadline projection, disk...)
-- ``stall`` {message}: the trainer is stalled; ``resume`` {kind, epoch, why}: it is resumed
+- ``stall`` {message}: the trainer is stalled; ``resume`` {cause, epoch, why}: it is resumed
 - ``preempted`` {source, message}: a preemption notice
 - ``teardown`` {action, why, downgraded, provider}: the decision (``downgraded``: a destroy
   became a stop or a keep because the sync was not verified: the box keeps billing)

@@ -20,14 +20,17 @@ import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, get_args
+from urllib.parse import urlsplit
 
 from .config import (
     DEFAULT_LISTEN,
+    NOTIFY_EVENTS,
     DataCheckSection,
     DatasetSection,
     Job,
     JobSection,
     LimitsSection,
+    NotifySection,
     PreemptionSection,
     PreflightSection,
     ProviderName,
@@ -92,6 +95,7 @@ _SECTIONS = (
     "server",
     "preflight",
     "preemption",
+    "notify",
 )
 
 
@@ -259,7 +263,9 @@ def job_from_dict(
             "storage_usd_per_gb_month", d_limits.storage_usd_per_gb_month
         ),
         max_restarts=t.int_("max_restarts", d_limits.max_restarts, minimum=0),
-        restart_backoff_s=t.duration("restart_backoff", d_limits.restart_backoff_s),
+        restart_backoff_s=t.duration(
+            "restart_backoff", d_limits.restart_backoff_s, allow_zero=True
+        ),
         stall_epoch_factor=t.number("stall_epoch_factor", d_limits.stall_epoch_factor, minimum=1.0)
         or d_limits.stall_epoch_factor,
         first_epoch_timeout_s=t.duration("first_epoch_timeout", d_limits.first_epoch_timeout_s),
@@ -314,6 +320,8 @@ def job_from_dict(
 
     preemption = _load_preemption(Table("preemption", doc.get("preemption", {}), errors))
 
+    notify = _load_notify(Table("notify", doc["notify"], errors)) if "notify" in doc else None
+
     errors.raise_if_any()
     return Job(
         job=job_section,
@@ -326,6 +334,7 @@ def job_from_dict(
         server=server,
         preflight=preflight,
         preemption=preemption,
+        notify=notify,
         source=source,
     )
 
@@ -362,6 +371,84 @@ def _load_preemption(t: Table) -> PreemptionSection:
     )
     t.finish()
     return section
+
+
+def _load_notify(t: Table) -> NotifySection | None:
+    """The ``[notify]`` table: a webhook URL (a secret: messages show its host only), which
+    events it is sent, and how often per-epoch notices go out."""
+    d = NotifySection(webhook="")
+    if t.errors.named("notify"):  # not a table: already said, nothing more to read
+        return None
+    webhook = _webhook(t)
+    every_epochs = t.int_("every_epochs", d.every_epochs, minimum=0)
+    events = d.events
+    raw = t.data.get("events")
+    t.used.add("events")
+    if raw is not None:
+        events = _notify_events(t, raw, every_epochs)
+    timeout_s = t.duration("timeout", d.timeout_s)
+    t.finish()
+    if webhook is None:
+        return None
+    return NotifySection(
+        webhook=webhook, events=events, every_epochs=every_epochs, timeout_s=timeout_s
+    )
+
+
+def _webhook(t: Table) -> str | None:
+    """``notify.webhook``: an http(s) URL with a host. Credentials and tokens in it are allowed
+    (Slack and Discord webhooks carry theirs in the path), so no message ever echoes it."""
+    t.used.add("webhook")
+    if "webhook" not in t.data:
+        t.bad("webhook", "is required but missing (the http:// or https:// URL to POST to)")
+        return None
+    url = t.data["webhook"]
+    if not isinstance(url, str):
+        t.bad("webhook", f"a {type(url).__name__} is not a URL (a string)")
+        return None
+    for i, ch in enumerate(url):
+        if not ch.isprintable() or ch.isspace():
+            t.bad("webhook", f"contains a space or an unprintable character at position {i}")
+            return None
+    if not url:
+        t.bad("webhook", "must not be empty")
+        return None
+    shown = NotifySection(webhook=url).shown
+    try:
+        parsed = urlsplit(url)
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        t.bad("webhook", f"{shown} is not a valid URL")
+        return None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        t.bad("webhook", f"{shown} must be an http:// or https:// URL with a host")
+        return None
+    if parsed.fragment or url.endswith("#"):
+        t.bad("webhook", f"{shown} must not have a #fragment (it is never sent)")
+        return None
+    return url
+
+
+def _notify_events(t: Table, raw: object, every_epochs: int) -> tuple[str, ...]:
+    """``notify.events``: a list of event kinds, each one of :data:`NOTIFY_EVENTS`."""
+    valid = ", ".join(NOTIFY_EVENTS)
+    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
+        t.bad("events", f"{show(raw)} must be a list of event names, some of: {valid}")
+        return NotifySection(webhook="").events
+    chosen = tuple(dict.fromkeys(k for k in raw if k in NOTIFY_EVENTS))
+    unknown = [k for k in raw if k not in NOTIFY_EVENTS]
+    if "epoch" in unknown:
+        t.bad("events", "'epoch' notices are chosen with notify.every_epochs = N, not here")
+    elif unknown:
+        names = ", ".join(show(k) for k in unknown)
+        t.bad("events", f"unknown event {names} (expected some of: {valid})")
+    elif not raw and every_epochs == 0:
+        t.bad(
+            "events",
+            "[] selects nothing to send (and every_epochs is 0): list some of "
+            f"{valid}, or remove [notify]",
+        )
+    return chosen
 
 
 def _load_teardown(t: Table) -> TeardownSection:

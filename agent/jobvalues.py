@@ -267,15 +267,15 @@ class Table:
         return v
 
     @overload
-    def duration(self, k: str, default: float) -> float: ...
+    def duration(self, k: str, default: float, *, allow_zero: bool = False) -> float: ...
     @overload
-    def duration(self, k: str, default: None) -> float | None: ...
-    def duration(self, k: str, default: float | None) -> float | None:
+    def duration(self, k: str, default: None, *, allow_zero: bool = False) -> float | None: ...
+    def duration(self, k: str, default: float | None, *, allow_zero: bool = False) -> float | None:
         v = self._get(k, False)
         if v is None:
             return default
         try:
-            return parse_duration(self.key(k), v)
+            return parse_duration(self.key(k), v, allow_zero=allow_zero)
         except ConfigError as exc:
             self.errors.add(exc)
             return default
@@ -331,8 +331,9 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(d|h|m|s)")
 _DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 
 
-def parse_duration(key: str, value: object) -> float:
-    """Parse ``"12h"``, ``"20m"``, ``"1h30m"``, ``"45s"``, ``"2d"`` or a number of seconds."""
+def parse_duration(key: str, value: object, *, allow_zero: bool = False) -> float:
+    """Parse ``"12h"``, ``"20m"``, ``"1h30m"``, ``"45s"``, ``"2d"`` or a number of seconds
+    (``"0s"`` only with ``allow_zero``)."""
     expected = 'a duration like "90s", "20m", "12h", "1h30m", "2d" or a number of seconds'
     if isinstance(value, bool):
         raise ConfigError(key, f"{value!r} is not {expected}")
@@ -354,8 +355,9 @@ def parse_duration(key: str, value: object) -> float:
             raise ConfigError(key, f"{value!r} is not {expected}")
     else:
         raise ConfigError(key, f"{value!r} is not {expected}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(key, f"{value!r} must be a positive duration ({expected})")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        what = "zero or a positive" if allow_zero else "a positive"
+        raise ConfigError(key, f"{value!r} must be {what} duration ({expected})")
     return seconds
 
 

@@ -196,6 +196,11 @@ rate_limit = RateLimitFilter()
 redact = RedactFilter()
 
 
+def redact_text(text: str) -> str:
+    """``text`` with every secret :func:`redact_secrets` was given replaced by ``<VARIABLE>``."""
+    return redact._clean(text) if redact.secrets else text
+
+
 def redact_secrets(secrets: Iterable[tuple[str, str]]) -> None:
     """Redact these ``(variable, value)`` pairs in every handler :func:`install` covers."""
     redact.secrets = tuple((n, v) for n, v in secrets if v)

@@ -1,11 +1,13 @@
 """The local HTTP endpoint (loopback; reached through ``ssh -L 8421:localhost:8421``).
 
-``GET /healthz``, ``GET /status`` (JSON) are open; the control actions (``POST /stop``,
-``/extend``, ``/hold``, ``/release``) need the bearer token from the state directory (mode 0600),
-so another user on the box cannot end or steer someone's run. An action gets the request body as
-text (at most :data:`MAX_ACTION_BODY_BYTES`; more is answered 413); one that raises
-:class:`~agent.steering.SteeringError` is answered ``{"ok": false, "error": message}`` with the
-error's status (400 a malformed request, 409 one the run's present state refuses).
+Every ``GET`` is open: ``/healthz``, ``/status`` (JSON), and the read-outs of
+:mod:`agent.metrics` (``/metrics``, ``/events``, ``/logs``, ``/history`` and the dashboard ``/``).
+The control actions (``POST /stop``, ``/extend``, ``/hold``, ``/release``) need the bearer
+token from the state directory (mode 0600), so another user on the box cannot end or steer
+someone's run. An action gets the request body as text (at most :data:`MAX_ACTION_BODY_BYTES`;
+more is answered 413); one that raises :class:`~agent.steering.SteeringError` is answered
+``{"ok": false, "error": message}`` with the error's status (400 a malformed request, 409 one
+the run's present state refuses).
 
 The endpoint must never be what stops the agent, whoever connects to it:
 
@@ -22,6 +24,11 @@ The endpoint must never be what stops the agent, whoever connects to it:
   localhost, the bound address or the address the client connected to (any port); anything
   else gets 421. A web page on the user's laptop can reach the tunnel's local end, and with DNS
   rebinding could read ``/status`` under its own host name; it cannot choose the ``Host`` header.
+
+An event stream is a request that lasts: it holds a connection slot, is never timed out (a
+``: keepalive`` comment goes every ``sse_keepalive_s``) and ends when the server stops, but at the
+cap it is pushed out before a newcomer is refused; the browser's EventSource reconnects with
+``Last-Event-ID`` and misses nothing the bus still keeps.
 
 None of this logs a line per connection: what was pushed out, refused or timed out is counted
 (:meth:`StatusServer.connection_stats`); while connections are pushed out or refused, one
@@ -43,11 +50,13 @@ from typing import Any
 
 from aiohttp import web
 
+from . import metrics
+from .events import QUEUE, EventBus
+from .metrics import HistoryFn, LogsFn, StatusFn
 from .steering import SteeringError
 
 log = logging.getLogger("agent.server")
 
-StatusFn = Callable[[], dict[str, Any]]
 #: A control action: gets the request body (text, possibly empty), returns the JSON answer;
 #: raises :class:`~agent.steering.SteeringError` for a request it cannot honour.
 ActionFn = Callable[[str], Awaitable[dict[str, Any]]]
@@ -139,6 +148,9 @@ class _Connection(asyncio.Protocol):
         self.busy = False
         #: The deadline is the first one (since connect), not the one after a response.
         self.awaiting_first = True
+        #: Called once when the connection goes (closed by either side): a live event stream
+        #: learns at once that nobody listens any more.
+        self.on_lost: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -210,6 +222,9 @@ class _ConnectionGuard:
         self._open: set[_Connection] = set()
         #: Slot holders with no request in progress, longest-waiting first.
         self._idle: OrderedDict[_Connection, None] = OrderedDict()
+        #: Slot holders serving an event stream, oldest first: busy, but pushed out before a
+        #: newcomer is refused (an EventSource reconnects by itself, with Last-Event-ID).
+        self._streams: OrderedDict[_Connection, None] = OrderedDict()
         self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
         self.totals = {"pushed_out": 0, "refused": 0, "header_timeouts": 0}
         self._unreported = dict.fromkeys(self.totals, 0)
@@ -220,7 +235,7 @@ class _ConnectionGuard:
     def protocol_factory(self) -> asyncio.Protocol:
         """Called by the event loop for every accepted socket."""
         if len(self._open) >= self._max:
-            victim = next(iter(self._idle), None)
+            victim = next(iter(self._idle), None) or next(iter(self._streams), None)
             if victim is None:
                 self._count("refused")
                 return _Busy()
@@ -256,10 +271,24 @@ class _ConnectionGuard:
         self._idle.pop(conn, None)
         conn.busy = True
 
+    def stream_started(
+        self, transport: asyncio.BaseTransport | None, on_lost: Callable[[], None]
+    ) -> None:
+        """The request on ``transport`` is a long-lived stream: no deadline (it is busy), but
+        the first to be pushed out at the cap; ``on_lost`` is called when the connection goes."""
+        conn = self._by_transport.get(transport) if transport is not None else None
+        if conn is None or conn not in self._open:
+            on_lost()
+            return
+        conn.on_lost = on_lost
+        self._streams[conn] = None
+
     def request_finished(self, transport: asyncio.BaseTransport | None) -> None:
         conn = self._by_transport.get(transport) if transport is not None else None
         if conn is None or conn not in self._open:
             return
+        self._streams.pop(conn, None)
+        conn.on_lost = None
         conn.busy = False
         conn.awaiting_first = False
         self._idle[conn] = None
@@ -308,6 +337,10 @@ class _ConnectionGuard:
         self._disarm(conn)
         self._open.discard(conn)
         self._idle.pop(conn, None)
+        self._streams.pop(conn, None)
+        on_lost, conn.on_lost = conn.on_lost, None
+        if on_lost is not None:
+            on_lost()
 
     def _count(self, what: str) -> None:
         self.totals[what] += 1
@@ -347,6 +380,9 @@ class StatusServer:
     ``allowed_hosts`` adds names accepted in the ``Host`` header besides localhost, the bound
     ``host`` and the address each client connected to (e.g. a DNS name of the box when
     ``[server] allow_remote`` is set). The three limits are documented with their defaults.
+    ``events``, ``logs`` and ``history`` feed ``/events``, ``/logs`` and ``/history`` (each
+    answers 404 without its source); ``event_queue`` is how many events one stream may fall
+    behind before its oldest are dropped (it then gets a ``gap`` event).
     """
 
     def __init__(
@@ -361,6 +397,11 @@ class StatusServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        events: EventBus | None = None,
+        logs: LogsFn | None = None,
+        history: HistoryFn | None = None,
+        sse_keepalive_s: float = metrics.DEFAULT_SSE_KEEPALIVE_S,
+        event_queue: int = QUEUE,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
@@ -372,6 +413,15 @@ class StatusServer:
         self._max_connections = max_connections
         self._header_timeout_s = header_timeout_s
         self._keepalive_timeout_s = keepalive_timeout_s
+        self._views = metrics.Views(
+            status=status,
+            events=events,
+            logs=logs,
+            history=history,
+            sse_keepalive_s=sse_keepalive_s,
+            event_queue=event_queue,
+            stream_started=self._stream_started,
+        )
         self._allowed_names = set(LOCAL_HOST_NAMES) | _address_names(host)
         for name in allowed_hosts:
             self._allowed_names |= _address_names(name)
@@ -382,13 +432,16 @@ class StatusServer:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware])
+        app.on_response_prepare.append(metrics.common_headers)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/status", self._get_status)
+        self._views.add_routes(app.router)
         for name in self._actions:
             app.router.add_post(f"/{name}", self._make_action(name))
         return app
 
     async def start(self) -> int:
+        self._views.open()
         self._runner = web.AppRunner(
             self.app(),
             access_log=None,
@@ -426,10 +479,11 @@ class StatusServer:
         return self.bound_port
 
     async def stop(self) -> None:
-        # 1. Stop accepting. 2. Let aiohttp finish and close its connections. 3. Close what is
-        # left (connections that never made it to aiohttp's books).
+        # 1. Stop accepting and end the event streams. 2. Let aiohttp finish and close its
+        # connections. 3. Close what is left (connections that never made it to aiohttp's books).
         if self._server is not None:
             self._server.close()
+        self._views.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -487,7 +541,11 @@ class StatusServer:
         return web.json_response({"ok": True})
 
     async def _get_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._status())
+        return metrics.json_answer(self._status())
+
+    def _stream_started(self, request: web.Request, on_lost: Callable[[], None]) -> None:
+        if self._guard is not None:
+            self._guard.stream_started(request.transport, on_lost)
 
     def _authorized(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")

@@ -37,6 +37,8 @@ class StatusInputs:
     reserve_s: float = 0.0
     #: Resumes, stall watch, GPU faults, preemption: what the supervision knows.
     supervision: dict[str, Any] | None = None
+    #: The webhook notifier's counters (no URL), or None without ``[notify]``.
+    notify: dict[str, Any] | None = None
 
 
 def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -79,6 +81,15 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
             reserve_s=i.reserve_s,
         ),
         "supervision": i.supervision,
+        "notify": i.notify,
+        # What the teardown will do, before it is decided (then ``teardown`` has the record).
+        "teardown_plan": {
+            "provider": i.job.teardown.provider,
+            "on_success": i.job.teardown.on_success,
+            "on_failure": i.job.teardown.on_failure,
+            "require_verified_sync": i.job.teardown.require_verified_sync,
+        },
+        "now": i.now,
         "steering": steering_status(state, i.now),
         "money": money(i, eta),
         "teardown": state.teardown,

@@ -22,12 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import diskwatch, resume
+from . import diskwatch
 from .config import Env, Job, LimitsSection
+from .events import EventBus
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
 from .preemption import Notice, PreemptionWatcher, detect
 from .progress import ProgressTracker
+from .relaunch import AlreadyDone, RelaunchMixin
 from .rundir import (
     RunStatus,
     RunWatcher,
@@ -37,7 +39,6 @@ from .rundir import (
     run_dir_from_result,
 )
 from .signals import Flags
-from .sinks import SinkError
 from .state import Reason, RunState, StateStore
 from .sync import SyncEngine
 from .text import os_error
@@ -47,7 +48,6 @@ from .trainer import (
     OutcomeKind,
     TrainerError,
     TrainerProcess,
-    build_argv,
     classify,
     read_result,
     start_once,
@@ -62,7 +62,7 @@ PREEMPT_SURVIVAL_S = 300.0
 PREEMPT_UPLOAD_S = 120.0
 
 
-class TrainingMixin:
+class TrainingMixin(RelaunchMixin):
     # Provided by the daemon.
     job: Job
     env: Env
@@ -89,6 +89,7 @@ class TrainingMixin:
     box_fault: str | None
     _outcome: Outcome | None
     _budget: BudgetWarner
+    events: EventBus
     #: The reason when a launch failed or the run turned out completed without a trainer.
     reason_hint: Reason | None
     #: Why the disk cannot take the next checkpoint (set after an epoch, acted on next turn).
@@ -265,6 +266,11 @@ class TrainingMixin:
             notice = self.notice
             self.breach_message = f"preempted: {notice.message if notice else 'notice'}"
             log.warning("%s: saving last.pt now, then stopping the trainer", self.breach_message)
+            self.events.publish(
+                "preempted",
+                source=notice.source if notice else "?",
+                message=notice.message if notice else "",
+            )
             await self._save_now()
             return Reason.PREEMPTED
         if self.gpu is not None and self.box_fault is None:
@@ -273,6 +279,7 @@ class TrainingMixin:
                 self.box_fault = "; ".join(f.message for f in faults)
                 self.breach_message = f"GPU fault: {self.box_fault}"
                 log.error("%s: stopping the run (a box fault)", self.breach_message)
+                self.events.publish("warning", message=self.breach_message)
                 await self._save_now()
                 return Reason.TRAINING_FAILED
         if self.disk_stop is not None:
@@ -290,6 +297,7 @@ class TrainingMixin:
             if stall is not None:
                 self.breach_message = f"stalled: {stall.message}"
                 log.warning("%s; uploading what exists, then stopping the trainer", stall.message)
+                self.events.publish("stall", message=stall.message)
                 await self._save_now()
                 return Reason.STALLED
         reserve = self._reserve_s()
@@ -302,7 +310,7 @@ class TrainingMixin:
             extended_s=self.state.extended_s,
             reserve_s=reserve,
         )
-        self._budget.update(
+        warning = self._budget.update(
             budget_view(
                 cfg,
                 now=now,
@@ -311,9 +319,12 @@ class TrainingMixin:
                 reserve_s=reserve,
             )
         )
+        if warning is not None:
+            self.events.publish("warning", message=warning)
         if breach is not None:
             self.breach_message = breach.message
             log.warning("limit reached: %s", breach.message)
+            self.events.publish("warning", message=f"limit reached: {breach.message}")
             return breach.reason
         return None
 
@@ -371,7 +382,7 @@ class TrainingMixin:
         if argv is None and self.state.launch is None and not self.state.resumes:
             try:
                 argv = await self._resume_from_target()
-            except _AlreadyDone as exc:
+            except AlreadyDone as exc:
                 self.state.cause = str(exc)
                 return Reason.COMPLETED
         try:
@@ -392,192 +403,13 @@ class TrainingMixin:
             return Reason.TRAINING_FAILED
         self.state.trainer = self.trainer.record
         self._save()
+        used = argv or []
+        self.events.publish(
+            "training_started",
+            total_epochs=self.job.train.epochs,
+            resumed="resume=true" in used,
+        )
         return None
-
-    async def _resume_from_target(self) -> list[str] | None:
-        """A first launch on a box whose sync target already holds this job's ``last.pt`` (the
-        old box is gone): download it and resume instead of training from scratch, which would
-        overwrite the target's checkpoints. None: nothing there, train from scratch."""
-        if self.sync is None:
-            return None
-        run_dir = self.job.job.runs_dir / self.job.job.name
-        local_status = run_dir / "status.json"
-        try:
-            remote = await asyncio.to_thread(self.sync.sink.stat, "weights/last.pt")
-            if remote is None:
-                return None
-            got = await asyncio.to_thread(self.sync.sink.download, "status.json", local_status)
-        except SinkError as exc:
-            # Not knowing must not block training (the target may be down for hours); a repo that
-            # does not exist yet simply holds no earlier run.
-            if "was not found" not in str(exc):
-                log.warning(
-                    "cannot read the sync target to check for an earlier run of this job (%s); "
-                    "training from scratch: checkpoints an earlier box uploaded there would be "
-                    "overwritten",
-                    exc,
-                )
-            return None
-        status = read_status(run_dir) if got is not None else None
-        if status is not None and status.state == "completed":
-            raise _AlreadyDone(
-                f"the sync target already holds this job's completed run "
-                f"({status.completed_epochs} epochs); nothing to train (use another "
-                "sync.target or job.name to train again)"
-            )
-        if not await self._fetch_last_pt(run_dir):
-            return None
-        log.info(
-            "the sync target holds this job's last.pt (epoch %s): resuming from it in %s",
-            status.completed_epochs if status else "?",
-            run_dir,
-        )
-        self.run_dir = run_dir
-        self.state.resumes.append(
-            {
-                "at": self.clock(),
-                "epoch": status.completed_epochs if status else None,
-                "kind": "new_box",
-                "message": "resumed from the sync target's last.pt",
-            }
-        )
-        total = status.total_epochs if status else None
-        return self._resume_argv(run_dir, total)
-
-    async def _fetch_last_pt(self, run_dir: Path) -> bool:
-        """``run_dir/weights/last.pt`` is valid, or was fetched from the target and is now."""
-        last = run_dir / "weights" / "last.pt"
-        if await asyncio.to_thread(resume.valid_checkpoint, last):
-            return True
-        if self.sync is None:
-            return False
-        what = "is not a valid checkpoint" if last.exists() else "is missing"
-        log.warning("%s %s; fetching the verified copy from the sync target", last, what)
-        try:
-            got = await asyncio.to_thread(self.sync.sink.download, "weights/last.pt", last)
-        except SinkError as exc:
-            log.error("cannot fetch last.pt from %s: %s", self.sync.sink.description, exc)
-            return False
-        if got is None or not await asyncio.to_thread(resume.valid_checkpoint, last):
-            log.error("the sync target has no usable last.pt either")
-            return False
-        log.info("fetched last.pt (%d bytes, sha256 %s) from the target", got.size, got.sha256[:12])
-        return True
-
-    def _resume_argv(self, run_dir: Path, total_epochs: int | None) -> list[str]:
-        argv = getattr(self.launcher, "resume_argv", None)
-        if callable(argv):
-            result: list[str] = argv(self.job, run_dir, total_epochs)
-            return result
-        return build_argv(self.job, resume_dir=run_dir, total_epochs=total_epochs)
-
-    # ------------------------------------------------------------------ resuming
-
-    async def _backoff(self, seconds: float) -> None:
-        """Wait before a resume; a stop request or the agent exiting cuts it short."""
-        assert self.flags is not None
-        events = (self.flags.shutdown, self.flags.stop_job)
-        if seconds <= 0 or any(e.is_set() for e in events):
-            return
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waiters:
-                w.cancel()
-
-    async def _resume_or_not(self, stop_reason: Reason | None) -> bool | None:
-        """The trainer ended without a clean end: resume it (True, after the backoff and with
-        the new trainer launched) or not (False: the run ends; the cause says why). None: the
-        agent is exiting before the resume (the next agent decides again)."""
-        assert self.flags is not None
-        outcome = self._outcome
-        if outcome is None:
-            return False  # the launch itself failed: nothing to resume
-        cause: str | None = None
-        if self.state.preempted:
-            cause = "preempted"
-        elif stop_reason == Reason.STALLED:
-            cause = "stalled"
-        elif self.rebooted:
-            cause = "reboot"
-        decision = resume.decide(
-            outcome,
-            self.status,
-            cfg=self.limits(),
-            resumes=self.state.resumes,
-            stop_reason=None
-            if stop_reason in (Reason.STALLED, Reason.PREEMPTED) or self.box_fault
-            else stop_reason,
-            box_fault=self.box_fault,
-            cause=cause,
-        )
-        if decision.completed:
-            log.info("%s", decision.why)
-            self.reason_hint = Reason.COMPLETED
-            self.state.cause = decision.why
-            return False
-        if not decision.resume:
-            log.error("not resuming: %s", decision.why)
-            self.state.cause = f"{self.state.cause}; not resumed: {decision.why}"
-            return False
-        run_dir = self.run_dir
-        epoch = self.status.completed_epochs if self.status else 0
-        argv: list[str] | None = None
-        if run_dir is not None and epoch > 0:
-            if not await self._fetch_last_pt(run_dir):
-                self.state.cause = (
-                    f"{self.state.cause}; not resumed: last.pt is missing or invalid and the "
-                    "sync target has no usable copy"
-                )
-                log.error("%s", self.state.cause)
-                return False
-            total = self.status.total_epochs if self.status else None
-            argv = self._resume_argv(run_dir, total)
-        log.warning("%s: relaunching in %.0fs", decision.why, decision.wait_s)
-        # The backoff comes before anything is recorded: an agent that exits meanwhile leaves
-        # the dead trainer in state.json, and the next agent takes the same decision afresh
-        # (recording the resume first would count it twice: "the same failure twice").
-        await self._backoff(decision.wait_s)
-        if self.flags.shutdown.is_set():
-            log.info("agent exiting before the resume; the next agent resumes the trainer")
-            return None
-        if self.flags.stop_job.is_set():
-            self.reason_hint = Reason.STOPPED_BY_USER
-            self.state.cause = f"{self.state.cause}; stop requested before the resume"
-            log.warning("stop requested: not resuming the trainer")
-            return False
-        self.state.resumes.append(
-            resume.death_record(outcome, self.status, now=self.clock(), cause=cause)
-        )
-        self.state.trainer = None
-        self.state.launch = None
-        self.state.preempted = None
-        self.state.outcome = None
-        self.state.cause = None
-        self.box_fault = None
-        self.rebooted = False
-        self.breach_message = None
-        self._save()
-        if argv is None:
-            # Died before its first epoch: start it over, in the same run dir when known.
-            argv = (
-                list(self.launcher.argv(self.job))
-                if run_dir is None
-                else self._fresh_argv_in(run_dir)
-            )
-        failed = await self._launch_or_adopt(argv)
-        if failed is not None:
-            self.reason_hint = failed
-            return False
-        return True
-
-    def _fresh_argv_in(self, run_dir: Path) -> list[str]:
-        argv = list(self.launcher.argv(self.job))
-        return [a for a in argv if not a.startswith("name=")] + [
-            f"name={run_dir.name}",
-            "exist_ok=true",
-        ]
 
     async def _after_preemption(self) -> bool:
         """The trainer was stopped after a notice: get ``last.pt`` off the box, record the
@@ -712,17 +544,37 @@ class TrainingMixin:
                 status.total_epochs,
                 f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
             )
+            self._publish_epoch(status, previous)
             if self.sync is not None:
                 await self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
             stop = await self._check_disk()
             if stop is not None and self.disk_stop is None:
                 log.error("%s", stop)
+                self.events.publish("warning", message=stop)
                 self.disk_stop = stop
             self._save()
 
-
-class _AlreadyDone(Exception):
-    """The sync target holds this job's completed run: nothing to train on this box."""
+    def _publish_epoch(self, status: RunStatus, previous: RunStatus | None) -> None:
+        raw = status.raw
+        metric_name = raw.get("current_metric_name") or raw.get("best_metric_name")
+        self.events.publish(
+            "epoch",
+            epoch=status.completed_epochs,
+            total_epochs=status.total_epochs,
+            eta_s=status.eta_seconds,
+            loss=raw.get("train_loss"),
+            metric=raw.get("current_metric"),
+            metric_name=metric_name,
+        )
+        if status.best_epoch is not None and (
+            previous is None or previous.best_epoch != status.best_epoch
+        ):
+            self.events.publish(
+                "best",
+                epoch=status.best_epoch,
+                metric=status.best_metric,
+                metric_name=raw.get("best_metric_name"),
+            )
 
 
 #: ``_supervise_once`` results that are not a stop reason.

@@ -128,6 +128,11 @@ class UploadQueue:
         self._busy_since: float | None = None
         self.failures: list[dict[str, Any]] = []
         self.uploads_done = 0
+        #: Failed upload attempts, and bytes verified on the target, since this agent started.
+        self.uploads_failed = 0
+        self.uploaded_bytes = 0
+        #: Called with each outcome (``path, epoch, size, ok, error``): the daemon's event bus.
+        self.on_outcome: Callable[..., object] | None = None
         self.last_success_at: float | None = None
         self.last_error: dict[str, Any] | None = None
         #: The newest epoch whose ``last.pt`` or ``epoch_N.pt`` is verified on the target.
@@ -210,6 +215,9 @@ class UploadQueue:
                 for path, f in sorted(self._in_flight.items())
             ],
             "uploads_done": self.uploads_done,
+            "uploads_failed": self.uploads_failed,
+            "uploaded_bytes": self.uploaded_bytes,
+            "bytes_per_s": self.bytes_per_s,
             "last_success_at": self.last_success_at,
             "stalled_since": stalled_since,
             "last_error": self.last_error,
@@ -298,8 +306,18 @@ class UploadQueue:
             speed if self.bytes_per_s is None else 0.7 * self.bytes_per_s + 0.3 * speed
         )
 
+    def _tell(self, item: Item, *, ok: bool, error: str | None = None) -> None:
+        if self.on_outcome is not None:
+            try:
+                self.on_outcome(
+                    path=item.remote_path, epoch=item.epoch, size=item.size, ok=ok, error=error
+                )
+            except Exception:  # an observer must never cost an upload
+                log.exception("upload observer failed")
+
     def _succeeded(self, item: Item, sha256: str, size: int) -> None:
         self.uploads_done += 1
+        self.uploaded_bytes += size
         now = self._clock()
         self.last_success_at = now
         # A live file (no snapshot) may have been re-hashed before this attempt: the ledger
@@ -320,6 +338,7 @@ class UploadQueue:
             item.attempts,
             "" if item.snapshot else " (from the live file)",
         )
+        self._tell(item, ok=True)
         # The ledger keeps the hash; the snapshot is no longer needed unless superseded later.
         self._discard(item)
 
@@ -359,6 +378,8 @@ class UploadQueue:
         retryable: bool = True,
         retry_after_s: float | None = None,
     ) -> None:
+        self.uploads_failed += 1
+        self._tell(item, ok=False, error=error)
         delay = self.backoff(item.attempts)
         if not retryable:
             # Waiting cannot fix a bad token, but a person can; retry slowly, never give up.

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import pty
 import socket
 import subprocess
 import sys
@@ -499,3 +501,242 @@ def test_steering_with_no_agent_is_one_clear_line(
     assert proc.returncode == 1
     (line,) = error_lines(proc)
     assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
+
+
+# --------------------------------------------------------------------------------------------
+# status for people: the summary, --watch, the post-mortem of an ended job
+
+
+def status_doc(phase: str = "TRAINING", epoch: int = 3, **extra: Any) -> dict[str, Any]:
+    """A /status document as the agent serves it (the parts `status` shows)."""
+    now = time.time()
+    doc: dict[str, Any] = {
+        "job": "run1",
+        "phase": phase,
+        "reason": None,
+        "cause": None,
+        "epoch": epoch,
+        "total_epochs": 10,
+        "eta_seconds": 700.0,
+        "eta_at": now + 700.0,
+        "last_synced_epoch": epoch - 1,
+        "sync": {"target": "file:///mnt/backup/run1", "queue": [], "verified": None},
+        "limits": {"stop_training_at": now + 7500.0, "max_runtime_at": now + 7800.0},
+        "money": {"spent_usd": 1.2, "price_usd_per_hour": 3.48, "budget_usd": 50.0},
+        "steering": {"extended_s": 0.0, "hold": None, "actions": []},
+        "teardown": None,
+    }
+    doc.update(extra)
+    return doc
+
+
+class Docs:
+    """The /status documents a test agent serves, one per read; the last one again after."""
+
+    def __init__(self, *docs: dict[str, Any]) -> None:
+        self.docs = list(docs)
+        self.reads = 0
+
+    def __call__(self) -> dict[str, Any]:
+        self.reads += 1
+        return self.docs.pop(0) if len(self.docs) > 1 else self.docs[0]
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, docs: Docs) -> Iterator[Endpoint]:
+    """A real endpoint serving ``docs``, its address in tmp_path/state's state file."""
+    endpoint = Endpoint(RunState(job_name="run1", job_source="job.toml"), ())
+    endpoint._thread.start()
+
+    async def up() -> int:
+        endpoint.server = StatusServer("127.0.0.1", 0, token=CONTROL_TOKEN, status=docs, actions={})
+        return await endpoint.server.start()
+
+    port = asyncio.run_coroutine_threadsafe(up(), endpoint._loop).result(10)
+    save_state(tmp_path / "state", Phase.TRAINING, port)
+    try:
+        yield endpoint
+    finally:
+        endpoint.close()
+
+
+def post_mortem(state_dir: Path, started_at: float) -> dict[str, Any]:
+    """report.json as the agent leaves it in ``state_dir`` (its job started at ``started_at``)."""
+    from agent import report
+
+    state = RunState(
+        job_name="run1",
+        job_source="job.toml",
+        phase=Phase.DONE,
+        reason=Reason.COMPLETED,
+        cause="trainer completed: 10/10 epochs",
+        started_at=started_at,
+        updated_at=started_at + 11520,
+        teardown={**TEARDOWN, "confirmed": True, "finished_at": started_at + 11520},
+    )
+    doc = status_doc("DONE", 10, best_epoch=9, best_metric=0.5, money={"spent_usd": 11.2})
+    r = report.build(state, doc, [], [], ["disk low"])
+    report.write(state_dir, r)
+    return r
+
+
+def test_status_prints_a_compact_summary_of_the_running_agent(tmp_path: Path) -> None:
+    with serving(tmp_path, Docs(status_doc())):
+        proc = cli(tmp_path, "status")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:18].strip(): line[19:] for line in proc.stdout.splitlines()}
+    assert rows["phase"] == "TRAINING"
+    assert rows["epoch"] == "3/10 [#######-----------------] 30%"
+    assert rows["eta"].startswith("11m40s (at ")
+    assert rows["last synced"] == "epoch 2 -> file:///mnt/backup/run1"
+    assert rows["money"] == "$1.20 at $3.48/h, budget $50.00"
+    assert rows["deadline"].startswith("training stops in 2h")
+    assert rows["deadline"].endswith("(max_runtime ends in 2h10m)")
+    assert rows["teardown"] == "-"
+
+
+def test_watch_on_a_pipe_prints_a_line_per_change_then_the_reports_summary(
+    tmp_path: Path,
+) -> None:
+    docs = Docs(
+        status_doc(epoch=3),
+        status_doc(epoch=3, eta_seconds=600.0),  # only the ETA moved: no new line
+        status_doc(epoch=4),
+        status_doc("FINISHING", 10),
+    )
+    with serving(tmp_path, docs):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "status", "--watch", "--interval", "0.05"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "HOME": str(tmp_path),
+                "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
+                "NO_PROXY": "127.0.0.1,localhost",
+                "TERM": "xterm",  # a pipe is not a terminal, whatever TERM says
+            },
+        )
+        assert proc.stdout is not None
+        first = [proc.stdout.readline() for _ in range(3)]
+        assert docs.reads >= 4
+        # The job ends: the agent writes its post-mortem and the state file, then goes away.
+        save_state(tmp_path / "state", Phase.DONE, 1, reason=Reason.COMPLETED, teardown=TEARDOWN)
+        started = StateStore(tmp_path / "state").load()
+        assert started is not None
+        post_mortem(tmp_path / "state", started.started_at)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert err == ""
+    assert "\x1b" not in "".join(first) + out
+    assert [line.split("  ")[1:3] for line in first] == [
+        ["TRAINING", "epoch 3/10 [#######-----------------] 30%"],
+        ["TRAINING", "epoch 4/10 [#########---------------] 40%"],
+        ["FINISHING", "epoch 10/10 [########################] 100%"],
+    ]
+    assert "eta 11m40s" in first[0] and "synced 2" in first[0] and "$1.20" in first[0]
+    lines = out.splitlines()
+    assert lines[0].startswith("no agent is running; this is the record of an ended job, from ")
+    assert lines[0].endswith("report.json:")
+    assert lines[1] == "run1: completed in 3h12m, $11.20, destroy: dry run (provider none)"
+    assert "warnings           1 (in report.md)" in lines
+
+
+def test_watch_stops_when_the_agent_says_done_and_prints_the_state_files_record(
+    tmp_path: Path,
+) -> None:
+    done = status_doc("DONE", 10, reason="completed", teardown=TEARDOWN)
+    with serving(tmp_path, Docs(status_doc(epoch=9), done)) as agent:
+        assert agent.server is not None and agent.server.bound_port is not None
+        port = agent.server.bound_port
+        save_state(tmp_path / "state", Phase.DONE, port, reason=Reason.COMPLETED, teardown=TEARDOWN)
+        proc = cli(tmp_path, "status", "--watch", "--interval", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split("  ")[1:3] == ["TRAINING", "epoch 9/10 [#####################---] 90%"]
+    assert lines[1].startswith("no agent is running; this is the record of an ended job, from ")
+    assert "teardown           would destroy the box" in lines
+
+
+def test_watch_redraws_on_a_terminal_and_prints_plain_lines_on_a_dumb_one(tmp_path: Path) -> None:
+    docs = Docs(status_doc(epoch=5), status_doc("DONE", 10, reason="completed"))
+    with serving(tmp_path, docs) as agent:
+        assert agent.server is not None and agent.server.bound_port is not None
+        save_state(tmp_path / "state", Phase.DONE, agent.server.bound_port, reason=Reason.COMPLETED)
+        for term, fancy in (("dumb", False), ("xterm", True)):
+            docs.docs = [status_doc(epoch=5), status_doc("DONE", 10, reason="completed")]
+            leader, follower = pty.openpty()
+            proc = subprocess.run(
+                [sys.executable, "-m", "agent.cli", "status", "--watch", "--interval", "0.05"],
+                stdout=follower,
+                stderr=subprocess.PIPE,
+                env={
+                    "PATH": "/usr/bin:/bin",
+                    "HOME": str(tmp_path),
+                    "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
+                    "NO_PROXY": "127.0.0.1,localhost",
+                    "TERM": term,
+                },
+                timeout=60,
+            )
+            os.close(follower)
+            out = read_all(leader)
+            assert proc.returncode == 0, proc.stderr
+            assert ("\x1b[" in out) is fancy, (term, out)
+            if fancy:  # the live summary is drawn, then erased for the final record
+                assert "epoch              5/10 [############------------] 50%" in out
+                assert out.count("\x1b[8F\x1b[J") == 1  # its 8 rows, erased once
+            else:
+                assert out.splitlines()[0].split("  ")[1] == "TRAINING"
+            assert "this is the record of an ended job" in out
+
+
+def read_all(fd: int) -> str:
+    """Everything written to a pty whose writer has closed."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the other side is closed and drained
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode()
+
+
+def test_status_without_an_agent_prints_the_post_mortem(tmp_path: Path, refusing_port: int) -> None:
+    path = save_state(tmp_path / "state", Phase.DONE, refusing_port, reason=Reason.COMPLETED)
+    state = StateStore(tmp_path / "state").load()
+    assert state is not None
+    post_mortem(tmp_path / "state", state.started_at)
+    proc = cli(tmp_path, "status")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "no agent is running; this is the record of an ended job, from "
+        f"{path.parent / 'report.json'}:"
+    )
+    assert lines[1] == "run1: completed in 3h12m, $11.20, destroy: dry run (provider none)"
+    rows = {line[:18].strip(): line[19:] for line in lines[2:]}
+    assert rows["phase"] == "DONE (reason completed)"
+    assert rows["epochs"] == "10/10, best metric 0.5 at epoch 9"
+    assert rows["money"] == "$11.20"
+    # --json keeps the state file's record (unchanged)
+    proc = cli(tmp_path, "status", "--json")
+    assert json.loads(proc.stdout)["source"] == "state_file"
+
+
+def test_an_older_runs_report_is_not_taken_for_the_current_job(
+    tmp_path: Path, refusing_port: int
+) -> None:
+    # The state file was removed and the job started again: report.json is the old run's.
+    save_state(tmp_path / "state", Phase.TRAINING, refusing_port)
+    post_mortem(tmp_path / "state", started_at=1.0)
+    proc = cli(tmp_path, "status")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert "says TRAINING: the job has not ended" in line

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.config import (
+    DEFAULT_NOTIFY_EVENTS,
+    NOTIFY_EVENTS,
     ConfigError,
     ConfigErrors,
     DataCheckSection,
@@ -23,6 +25,7 @@ from agent.config import (
     Job,
     JobSection,
     LimitsSection,
+    NotifySection,
     PreflightSection,
     ServerSection,
     SyncSection,
@@ -171,6 +174,7 @@ UNKNOWN_KEYS = [
     ("teardown", {"provder": "none"}, "teardown.provder"),
     ("server", {"port": 8421}, "server.port"),
     ("preflight", {"enable": True}, "preflight.enable"),
+    ("notify", {"webhook": "https://hooks.example.com/x", "url": "y"}, "notify.url"),
 ]
 
 
@@ -647,9 +651,9 @@ def test_three_independent_mistakes_are_reported_together_section_by_section() -
 def test_every_unknown_key_and_section_is_named() -> None:
     doc = with_section("limits", {"max_run_time": "1h", "budget": 5})
     doc["trian"] = {"epochs": 1}
-    doc["notify"] = {"webhook": "x"}
+    doc["alerts"] = {"webhook": "x"}
     keys = [e.key for e in config_error(doc).errors]
-    assert keys == ["notify", "trian", "limits.budget", "limits.max_run_time"]
+    assert keys == ["alerts", "trian", "limits.budget", "limits.max_run_time"]
 
 
 @pytest.mark.parametrize(
@@ -1075,6 +1079,7 @@ KNOWN_KEYS: dict[str, list[str]] = {
     ],
     "server": ["listen", "allow_remote"],
     "preflight": ["enabled", "allow_cpu", "timeout"],
+    "notify": ["webhook", "events", "every_epochs", "timeout"],
 }
 INTERESTING_STRINGS = [
     "vast",
@@ -1887,3 +1892,124 @@ def test_a_price_cap_needs_a_price_and_a_price_that_is_not_a_word_is_refused() -
     assert_names_key(exc, "limits.price_usd_per_hour")
     exc = config_error(with_section("limits", {"storage_usd_per_gb_month": -1}))
     assert_names_key(exc, "limits.storage_usd_per_gb_month")
+
+
+# ---------------------------------------------------------------------- [notify]
+
+SLACK = "https://hooks.slack.com/services/T0FAKE/B0FAKE/xoxFAKEtoken123"
+
+
+def test_no_notify_table_means_no_notices() -> None:
+    assert parse(base_doc()).notify is None
+
+
+def test_notify_reads_every_key() -> None:
+    doc = with_section(
+        "notify",
+        {
+            "webhook": SLACK,
+            "events": ["failure", "done", "failure", "teardown"],
+            "every_epochs": 10,
+            "timeout": "30s",
+        },
+    )
+    notify = parse(doc).notify
+    assert notify == NotifySection(
+        webhook=SLACK, events=("failure", "done", "teardown"), every_epochs=10, timeout_s=30.0
+    )
+    assert "xoxFAKE" not in repr(parse(doc))
+
+
+def test_notify_defaults_are_the_important_events() -> None:
+    notify = parse(with_section("notify", {"webhook": SLACK})).notify
+    assert notify is not None
+    assert notify.events == DEFAULT_NOTIFY_EVENTS and notify.every_epochs == 0
+    assert notify.timeout_s == 10.0
+    assert set(notify.events) <= set(NOTIFY_EVENTS)
+    assert {"job_started", "best", "stall", "teardown", "teardown_confirmed", "failure"} <= set(
+        notify.events
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://user:xoxFAKEpass@hooks.example.com/hook",
+        "https://discord.com/api/webhooks/123/xoxFAKEtoken?thread_id=9",
+        "http://127.0.0.1:8080/hook",
+    ],
+)
+def test_a_webhook_may_carry_its_secret(url: str) -> None:
+    notify = parse(with_section("notify", {"webhook": url})).notify
+    assert notify is not None and notify.webhook == url
+    assert "xoxFAKE" not in notify.shown and notify.shown.endswith("/...")
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("ftp://files.example.com/xoxFAKEtoken", "http:// or https://"),
+        ("https:///xoxFAKEtoken", "with a host"),
+        ("hooks.slack.com/services/xoxFAKEtoken", "http:// or https://"),
+        ("https://hooks.example.com:99999/xoxFAKEtoken", "not a valid URL"),
+        ("https://[::1/xoxFAKEtoken", "not a valid URL"),
+        ("https://hooks.example.com/xoxFAKEtoken#frag", "fragment"),
+        ("https://hooks.example.com/xoxFAKE token", "space"),
+        ("", "empty"),
+        (5, "not a URL"),
+    ],
+)
+def test_a_bad_webhook_is_named_without_echoing_it(url: object, words: str) -> None:
+    exc = config_error(with_section("notify", {"webhook": url}))
+    assert_names_key(exc, "notify.webhook")
+    assert words in str(exc)
+    assert "xoxFAKE" not in str(exc)
+
+
+def test_a_notify_table_without_a_webhook_is_refused() -> None:
+    exc = config_error(with_section("notify", {"events": ["done"]}))
+    assert_names_key(exc, "notify.webhook")
+    assert "required" in str(exc)
+
+
+def test_notify_that_is_not_a_table_is_one_mistake() -> None:
+    doc = base_doc()
+    doc["notify"] = SLACK
+    exc = config_error(doc)
+    assert [e.key for e in exc.errors] == ["notify"]
+    assert "must be a table" in str(exc)
+
+
+def test_an_unknown_event_is_refused_with_the_valid_ones() -> None:
+    exc = config_error(
+        with_section("notify", {"webhook": SLACK, "events": ["done", "finished", "boom"]})
+    )
+    assert_names_key(exc, "notify.events")
+    assert "'finished', 'boom'" in str(exc)
+    assert all(name in str(exc) for name in NOTIFY_EVENTS)
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "words"),
+    [
+        ({"events": ["epoch"]}, "notify.events", "every_epochs"),
+        ({"events": "done"}, "notify.events", "must be a list"),
+        ({"events": ["done", 3]}, "notify.events", "must be a list"),
+        ({"events": []}, "notify.events", "selects nothing"),
+        ({"every_epochs": -1}, "notify.every_epochs", ">= 0"),
+        ({"every_epochs": 2.5}, "notify.every_epochs", "not an integer"),
+        ({"timeout": 0}, "notify.timeout", "positive"),
+        ({"timeout": "soon"}, "notify.timeout", "duration"),
+    ],
+)
+def test_bad_notify_settings_are_named(values: dict[str, Any], key: str, words: str) -> None:
+    exc = config_error(with_section("notify", {"webhook": SLACK, **values}))
+    assert_names_key(exc, key)
+    assert words in str(exc)
+
+
+def test_only_epoch_notices_is_a_choice() -> None:
+    notify = parse(
+        with_section("notify", {"webhook": SLACK, "events": [], "every_epochs": 5})
+    ).notify
+    assert notify is not None and notify.events == () and notify.every_epochs == 5

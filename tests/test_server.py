@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from agent import steering
+from agent.events import EventBus
 from agent.server import StatusServer, host_header_name, is_loopback
 from agent.state import Phase, RunState
 from agent.steering import SteeringError
@@ -230,6 +231,15 @@ def test_stop_closes_idle_connections() -> None:
 
 # ---- the Host header (DNS rebinding) -----------------------------------------------------------
 
+#: Every read-out wired, as the daemon wires them: the logs and history say TRAINING too, so a
+#: leak through any route shows in the body.
+READOUTS: dict[str, Any] = {
+    "events": EventBus(),
+    "logs": lambda n: {"agent": ["phase TRAINING"], "trainer": []},
+    "history": lambda: [{"epoch": 1, "note": "TRAINING"}],
+}
+GET_ROUTES = ("/", "/status", "/healthz", "/metrics", "/events", "/logs?tail=5", "/history")
+
 
 @pytest.mark.parametrize(
     "host",
@@ -255,12 +265,11 @@ def test_requests_for_another_host_are_refused_on_every_route(host: str) -> None
         return {"ok": True}
 
     async def main() -> None:
-        async with serving(actions={"stop": stop}) as (_, port):
+        async with serving(actions={"stop": stop}, **READOUTS) as (_, port):
             h = f"Host: {host}\r\n".encode()
             auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
             for head in (
-                b"GET /status HTTP/1.1\r\n" + h + b"\r\n",
-                b"GET /healthz HTTP/1.1\r\n" + h + b"\r\n",
+                *(b"GET %s HTTP/1.1\r\n" % path.encode() + h + b"\r\n" for path in GET_ROUTES),
                 b"GET /nowhere HTTP/1.1\r\n" + h + b"\r\n",
                 b"POST /stop HTTP/1.1\r\n" + h + auth + b"Content-Length: 0\r\n\r\n",
             ):
@@ -579,5 +588,86 @@ def test_steering_through_the_endpoint_changes_the_state() -> None:
         assert shown["extended_s"] == 7200.0
         assert shown["hold"]["active"] is True
         assert [a["action"] for a in shown["actions"]] == ["extend", "hold"]
+
+    asyncio.run(main())
+
+
+def test_every_get_is_open_and_every_post_needs_the_token() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        bus = EventBus()
+        async with (
+            serving(actions=rec.actions("stop"), **{**READOUTS, "events": bus}) as (_, port),
+            aiohttp.ClientSession() as session,
+        ):
+            base = f"http://127.0.0.1:{port}"
+            for path in GET_ROUTES:
+                async with session.get(base + path) as r:
+                    assert r.status == 200, path
+                    if path == "/events":
+                        assert await r.content.readline() == b"retry: 2000\n"
+            async with session.post(f"{base}/stop") as r:
+                assert r.status == 401
+            assert rec.bodies == []
+            async with session.post(f"{base}/stop", headers=AUTH) as r:
+                assert r.status == 200
+                assert await r.json() == {"ok": True, "message": "stop done"}
+            assert rec.bodies == [("stop", "")]
+
+    asyncio.run(main())
+
+
+# ---- event streams and the connection cap ------------------------------------------------------
+
+
+async def open_stream(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"retry: 2000" in await reader.readuntil(b"\n\n")
+    return reader, writer
+
+
+def test_at_the_cap_the_oldest_event_stream_makes_room() -> None:
+    """Streams are busy forever: if they were never pushed out, a few open dashboards would
+    lock out /healthz. The oldest goes first; EventSource reconnects with Last-Event-ID."""
+
+    async def main() -> None:
+        bus = EventBus()
+        async with serving(events=bus, max_connections=2) as (server, port):
+            first = await open_stream(port)
+            second = await open_stream(port)
+            assert server.connection_stats()["open"] == 2
+            assert await healthz_seconds(port) < 5.0  # answered 200, not 503
+            assert await closed_by_server(first[0], 5.0)
+            stats = server.connection_stats()
+            assert (stats["pushed_out"], stats["refused"]) == (1, 0)
+            # The younger stream is untouched and still delivers.
+            bus.publish("warning", message="still here")
+            async with asyncio.timeout(5):
+                frame = await second[0].readuntil(b"\n\n")
+            assert b"event: warning" in frame
+            for _, writer in (first, second):
+                writer.close()
+
+    asyncio.run(main())
+
+
+def test_stopping_the_server_ends_every_event_stream() -> None:
+    async def main() -> None:
+        server = StatusServer(
+            "127.0.0.1", 0, token=TOKEN, status=dict, actions={}, events=EventBus()
+        )
+        port = await server.start()
+        streams = [await open_stream(port) for _ in range(3)]
+        await asyncio.wait_for(server.stop(), 10)
+        for reader, writer in streams:
+            async with asyncio.timeout(5):
+                rest = await reader.read()
+            assert rest.endswith(b"0\r\n\r\n")  # the chunked body's end: a clean finish
+            writer.close()
 
     asyncio.run(main())

@@ -27,7 +27,12 @@ run dir with ``exist_ok``; like LibreYOLO, exit
 2 when nothing is left to train, exit 4 when the checkpoint cannot be read, and the train-end
 status.json counts only this invocation's epochs), ``hang_at`` epoch at whose start it stops making
 progress but stays alive (0 = never), ``fail_once_at`` epoch that fails only when the run dir has no
-``.failed_once`` marker yet (a transient crash).
+``.failed_once`` marker yet (a transient crash), ``log_every_s`` (0 = off: print a progress line
+to stderr, the trainer log, this often during an epoch, like tqdm's bar), ``hang_after_complete``
+(false; true: write the completed status.json and the result, then stay alive forever: a trainer
+hung at exit), ``pause_at`` epoch at whose start it writes ``RUN/.paused`` and waits, alive and
+without progress, until ``RUN/.go`` exists (0 = never; on every invocation, resumed ones too: a
+test's deterministic "now" inside a run).
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ DEFAULTS: dict[str, str] = {
     "model": "",
     "hang_at": "0",
     "fail_once_at": "0",
+    "log_every_s": "0",
+    "hang_after_complete": "false",
+    "pause_at": "0",
 }
 
 SCRIPT = Path(__file__).resolve()
@@ -165,6 +173,8 @@ def main(argv: list[str]) -> int:
     ckpt_kb = int(opts["ckpt_kb"])
     hang_at = int(opts["hang_at"])
     fail_once_at = int(opts["fail_once_at"])
+    log_every_s = float(opts["log_every_s"])
+    pause_at = int(opts["pause_at"])
     start_epoch = 1
     if truthy(opts["resume"]):
         trained = read_checkpoint_epoch(Path(opts["model"]))
@@ -221,12 +231,21 @@ def main(argv: list[str]) -> int:
             if epoch == hang_at:
                 while True:  # alive, no progress: a hung collective, a stuck data loader
                     time.sleep(1)
+            if epoch == pause_at:
+                atomic_write_text(save_dir / ".paused", f"{epoch}\n")
+                while not (save_dir / ".go").exists():
+                    time.sleep(0.02)
             if epoch == fail_once_at and not (save_dir / ".failed_once").exists():
                 (save_dir / ".failed_once").write_text("x")
                 raise RuntimeError(opts["error"])
             deadline = time.monotonic() + epoch_s
+            next_log = time.monotonic() + log_every_s
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, 0.02))
+                if log_every_s > 0 and time.monotonic() >= next_log:
+                    next_log += log_every_s
+                    done = 1 - max(0.0, deadline - time.monotonic()) / epoch_s
+                    print(f"epoch {epoch}/{epochs}: {done:4.0%}", file=sys.stderr, flush=True)
             if epoch == fail_at:
                 raise RuntimeError(opts["error"])
             metric = round(0.1 + 0.8 * (1 - 1 / (epoch + 1)), 4)
@@ -308,6 +327,9 @@ def main(argv: list[str]) -> int:
             "save_dir": str(save_dir),
         }
     )
+    if truthy(opts["hang_after_complete"]):
+        while True:  # trained and said so, but never exits (a worker that is never joined)
+            time.sleep(1)
     return 0
 
 
