@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
+import math
 import random
+import time
+from collections.abc import Mapping
 
 #: Doublings past this many change nothing (any cap is reached long before); a retry count that
 #: grows for days must not overflow a float.
@@ -20,3 +25,16 @@ def delay_s(
     doublings = min(max(attempt - 1, 0), _MAX_DOUBLINGS)
     base = min(cap_s, first_s * 2**doublings)
     return float(base * (rng or _rng).uniform(0.5, 1.0))
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """An HTTP ``Retry-After`` header in seconds (a number or an HTTP date), or None."""
+    value = (headers.get("Retry-After") or "").strip()
+    if not value:
+        return None
+    with contextlib.suppress(ValueError, OverflowError):
+        seconds = float(value)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    return None

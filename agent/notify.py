@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import json
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 import aiohttp
 import yarl
 
-from .backoff import delay_s
+from .backoff import delay_s, retry_after_s
 from .config import NotifySection
 from .events import Event, EventBus
 from .jobvalues import format_duration
@@ -244,19 +242,6 @@ def _eta(data: dict[str, Any]) -> str:
 # The notifier
 
 
-def _retry_after(headers: Any) -> float | None:
-    """``Retry-After`` in seconds (a number or an HTTP date), or None."""
-    value = (headers.get("Retry-After") or "").strip()
-    if not value:
-        return None
-    with contextlib.suppress(ValueError, OverflowError):
-        seconds = float(value)
-        return max(0.0, seconds) if math.isfinite(seconds) else None
-    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    return None
-
-
 class Notifier:
     """Sends the job's events to ``cfg.webhook``; see the module docstring."""
 
@@ -376,7 +361,7 @@ class Notifier:
                     self.cfg.webhook, data=notice.body, headers=headers
                 ) as reply:
                     status = reply.status
-                    retry_after = _retry_after(reply.headers)
+                    retry_after = retry_after_s(reply.headers)
                     answer = one_line((await reply.text(errors="replace"))[:1000], 150)
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 if self._closed:

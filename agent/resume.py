@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import LimitsSection
-from .rundir import RunStatus
+from .rundir import RunStatus, is_valid_checkpoint
 from .state import Reason
 from .trainer import Outcome, OutcomeKind
 
@@ -56,13 +55,8 @@ def boot_id() -> str | None:
         return None
 
 
-def valid_checkpoint(path: Path) -> bool:
-    """A ``.pt`` is a zip archive: a torn write (SIGKILL in ``torch.save``) fails this check."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return zf.testzip() is None
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
+#: A ``.pt`` is a zip archive: a torn write (SIGKILL in ``torch.save``) fails this check.
+valid_checkpoint = is_valid_checkpoint
 
 
 @dataclass(frozen=True)

@@ -16,3 +16,19 @@ def test_delay_doubles_with_jitter_and_is_capped() -> None:
 
 def test_a_retry_count_that_grew_for_days_does_not_overflow() -> None:
     assert 150.0 <= delay_s(10_000, first_s=1.0, cap_s=300.0) <= 300.0
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    import email.utils
+    import time
+
+    from agent.backoff import retry_after_s
+
+    assert retry_after_s({"Retry-After": "7"}) == 7.0
+    assert retry_after_s({"Retry-After": "-3"}) == 0.0
+    assert retry_after_s({"Retry-After": "nan"}) is None
+    assert retry_after_s({"Retry-After": "soon"}) is None
+    assert retry_after_s({}) is None
+    later = email.utils.formatdate(time.time() + 120, usegmt=True)
+    got = retry_after_s({"Retry-After": later})
+    assert got is not None and 100 < got <= 120

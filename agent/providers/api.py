@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import json
 import logging
 import math
 import random
-import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,7 +28,7 @@ from typing import Any, Literal
 import aiohttp
 
 from .. import __version__
-from ..backoff import delay_s
+from ..backoff import delay_s, retry_after_s
 from ..config import Env, TeardownAction, TeardownSection
 from ..jobvalues import instance_id_problem
 from ..text import one_line
@@ -221,7 +219,7 @@ class Client:
                 if not (reply.status in (408, 429) or 500 <= reply.status <= 599):
                     return reply
                 problem = self.describe(reply)
-                retry_after = self._retry_after(headers)
+                retry_after = retry_after_s(headers)
                 uncertain = uncertain or reply.status >= 500
             delay = self._backoff(attempt, retry_after)
             now = loop.time()
@@ -242,19 +240,6 @@ class Client:
             wait = max(t.backoff_first_s, min(retry_after, t.retry_after_max_s))
             return wait * random.uniform(1.0, 1.1)
         return delay_s(attempt, first_s=t.backoff_first_s, cap_s=t.backoff_max_s)
-
-    @staticmethod
-    def _retry_after(headers: Mapping[str, str]) -> float | None:
-        """``Retry-After`` in seconds (a number or an HTTP date), or None."""
-        value = (headers.get("Retry-After") or "").strip()
-        if not value:
-            return None
-        with contextlib.suppress(ValueError, OverflowError):
-            seconds = float(value)
-            return max(0.0, seconds) if math.isfinite(seconds) else None
-        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-        return None
 
 
 def _json(raw: bytes) -> Any:
