@@ -1,41 +1,56 @@
 #!/usr/bin/env bash
 # Install libreyolo-agent and its training stack into a virtual environment.
 #
-#   ./install.sh            agent + training stack (torch first, then libreyolo, then the agent)
-#   ./install.sh --dev      the same plus the test and lint tools
-#   ./install.sh --dry-run  print the steps and pip commands without running them
+#   ./install.sh                 agent + training stack (torch first, then libreyolo and the agent)
+#   ./install.sh --dev           the same plus the test and lint tools
+#   ./install.sh --job JOB.toml  also LibreYOLO's extras that job needs (rfdetr, eomt, lora, onnx)
+#   ./install.sh --extras LIST   also these LibreYOLO extras (comma-separated)
+#   ./install.sh --dry-run       print the decisions and pip commands without running them
 #
-# On a box with nvidia-smi the `gpu` extra (nvidia-ml-py, for the driver checks) is added.
-# Running it again is safe: pip leaves what is already installed as it is.
+# torch: on a box with nvidia-smi the driver's CUDA version and the cards decide. The image's
+# torch is kept when it runs on that driver and has kernels for every card (no 2 GB download);
+# otherwise the newest PyTorch CUDA build the driver runs is installed, before libreyolo, so pip
+# never picks a torch by itself. Without nvidia-smi: the default build. The choice and its reason
+# are printed (agent/torchpick.py holds the tables). Running it again changes nothing.
 #
 # Environment:
-#   VENV          where the environment goes                 (default: .venv beside this script)
-#   PYTHON        the interpreter to build it from           (default: python3.11, else python3)
-#   TORCH_SPEC    the torch build that fits THIS machine's card; installed first so that pip
-#                 does not pick one by itself. Default: "torch==2.14.1 torchvision==0.29.1".
-#   PIP_ARGS      extra pip arguments for the torch install ONLY, e.g. the CUDA wheel index:
-#                 PIP_ARGS="--index-url https://download.pytorch.org/whl/cu128". libreyolo and
-#                 the agent always come from the usual index (a torch-only index lacks them).
-#                 Settings for every pip call go in pip's own variables (PIP_PROXY, ...).
+#   VENV              where the environment goes               (default: .venv beside this script)
+#   PYTHON            the interpreter to build it from         (default: python3.11, else python3)
+#   TORCH_SPEC        a torch build of your choosing instead ("torch==X torchvision==Y")
+#   PIP_ARGS          extra pip arguments for the torch install ONLY, e.g. a CUDA wheel index
+#                     ("--index-url <index>/cu128"); with either of these two set, no decision
+#                     is made. libreyolo and the agent always come from the usual index.
+#                     Settings for every pip call go in pip's own variables (PIP_PROXY, ...).
+#   LIBREYOLO_EXTRAS  LibreYOLO extras to add, like --extras
+#   TORCH_INDEX_BASE  where PyTorch's per-CUDA wheel indexes live (a mirror)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${VENV:-$here/.venv}"
-torch_spec="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
-extras="train"
+default_torch_spec="torch==2.14.1 torchvision==0.29.1"
+agent_extras="train"
+also="${LIBREYOLO_EXTRAS:-}"
+job=""
 dry_run=0
-for arg in "$@"; do
-  case "$arg" in
-    --dev) extras="train,dev" ;;
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed -n 's/^# \{0,1\}//p'; }
+die() { printf 'install.sh: %s\n' "$1" >&2; exit "${2:-1}"; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dev) agent_extras="train,dev" ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    *) echo "install.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
+    --job) [ $# -ge 2 ] || die "--job needs a file" 2; job="$2"; shift ;;
+    --job=*) job="${1#--job=}" ;;
+    --extras) [ $# -ge 2 ] || die "--extras needs a list" 2; also="$also,$2"; shift ;;
+    --extras=*) also="$also,${1#--extras=}" ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (try --help)" 2 ;;
   esac
+  shift
 done
-gpu_note=""
-if command -v nvidia-smi >/dev/null 2>&1; then
-  extras="$extras,gpu"
-  gpu_note=" (gpu: nvidia-smi is here)"
+if [ -n "$job" ] && [ ! -r "$job" ]; then
+  die "cannot read the job file '$job'" 2
 fi
 
 python="${PYTHON:-}"
@@ -43,8 +58,7 @@ if [ -z "$python" ]; then
   python="$(command -v python3.11 || command -v python3 || true)"
 fi
 if [ -z "$python" ] || ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-  echo "install.sh: Python 3.11 or newer is required (set PYTHON=/path/to/python3.11)" >&2
-  exit 1
+  die "Python 3.11 or newer is required (set PYTHON=/path/to/python3.11)"
 fi
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -56,27 +70,97 @@ run() {
     "$@"
   fi
 }
+# torchpick ARGS...: agent/torchpick.py from this source tree (standard library only).
+torchpick() { PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m agent.torchpick "$@"; }
 
+# ---- which torch: decided before the venv exists (it decides how the venv is made)
+venv_flag=""
+if [ -n "${TORCH_SPEC:-}" ] || [ -n "${PIP_ARGS:-}" ]; then
+  action="install"
+  torch_spec="${TORCH_SPEC:-$default_torch_spec}"
+  torch_pip="${PIP_ARGS:-}"
+  reason="TORCH_SPEC/PIP_ARGS are set: used as given"
+else
+  no_keep=()
+  if [ -x "$venv/bin/python" ] && [ -r "$venv/pyvenv.cfg" ] \
+      && [[ "$(<"$venv/pyvenv.cfg")" != *"include-system-site-packages = true"* ]]; then
+    no_keep=(--no-keep)  # this venv cannot see the image's torch
+  fi
+  pick="$(torchpick torch --lines --python "$python" ${no_keep[@]+"${no_keep[@]}"})"
+  mapfile -t decision <<<"$pick"
+  action="${decision[0]}"
+  torch_spec="${decision[1]}"
+  torch_pip="${decision[2]}"
+  venv_flag="${decision[3]}"
+  reason="${decision[4]}"
+fi
+case "$action" in
+  keep) step "torch: keeping the image's torch - $reason" ;;
+  install) step "torch: installing $torch_spec${torch_pip:+ ($torch_pip)} - $reason" ;;
+  *) step "torch: the default build $torch_spec - $reason" ;;
+esac
+
+# ---- LibreYOLO's extras the job asks for
+lib_extras=""
+if [ -n "$job" ] || [ -n "${also//,/}" ]; then
+  job_args=()
+  [ -z "$job" ] || job_args=("$job")
+  picked="$(torchpick extras ${job_args[@]+"${job_args[@]}"} --also "$also")" || exit 2
+  mapfile -t extras_lines <<<"$picked"
+  lib_extras="${extras_lines[0]}"
+  if [ -n "$lib_extras" ]; then
+    step "libreyolo extras: $lib_extras"
+    printf '    %s\n' "${extras_lines[@]:1}"
+  fi
+fi
+
+# ---- the environment
 if [ ! -x "$venv/bin/python" ]; then
-  step "creating the virtual environment in $venv"
-  run "$python" -m venv "$venv"
+  sees=""
+  [ -z "$venv_flag" ] || sees=" ($venv_flag: it sees the image's torch)"
+  step "creating the virtual environment in $venv$sees"
+  run "$python" -m venv ${venv_flag:+"$venv_flag"} "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
-# TORCH_SPEC and PIP_ARGS each hold several words (read splits them, without globbing).
-read -r -a torch_args <<<"$torch_spec"
-read -r -a torch_pip_args <<<"${PIP_ARGS:-}"
+if [ "$action" != keep ]; then
+  # TORCH_SPEC and PIP_ARGS each hold several words (read splits them, without globbing).
+  read -r -a torch_args <<<"$torch_spec"
+  read -r -a torch_pip_args <<<"$torch_pip"
+  step "installing torch first: $torch_spec${torch_pip:+ (with $torch_pip)}"
+  run "${pip[@]}" install ${torch_pip_args[@]+"${torch_pip_args[@]}"} "${torch_args[@]}"
+fi
 
-step "installing torch first: $torch_spec${PIP_ARGS:+ (with $PIP_ARGS)}"
-run "${pip[@]}" install ${torch_pip_args[@]+"${torch_pip_args[@]}"} "${torch_args[@]}"
+targets=(-e "${here}[$agent_extras]")
+[ -z "$lib_extras" ] || targets+=("libreyolo[$lib_extras]")
 
-step "installing libreyolo-agent with extras [$extras]$gpu_note"
-# No PIP_ARGS here: a CUDA wheel index holds torch, not libreyolo or the agent's dependencies.
-run "${pip[@]}" install -e "$here[$extras]"
+# up_to_date: pip has nothing left to do but reinstall the editable agent, already installed
+# from here (pip lists an editable install every time; reinstalling it would change the venv).
+up_to_date() {
+  [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ] || return 1
+  local site report status=1
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  compgen -G "$site/libreyolo_agent-*.dist-info" >/dev/null || return 1
+  report="$(mktemp)"
+  if "${pip[@]}" install --quiet --dry-run --report "$report" "${targets[@]}" \
+      && torchpick uptodate "$report" --project "$here" --site "$site"; then
+    status=0
+  fi
+  rm -f "$report"
+  return "$status"
+}
+
+step "installing libreyolo-agent with extras [$agent_extras]${lib_extras:+ and libreyolo[$lib_extras]}"
+if up_to_date; then
+  echo "already installed, nothing to change"
+else
+  # No PIP_ARGS here: a CUDA wheel index holds torch, not libreyolo or the agent's dependencies.
+  run "${pip[@]}" install "${targets[@]}"
+fi
 
 step "checking the install"
 run "$venv/bin/libreyolo-agent" --version
-run "$venv/bin/python" -c 'import libreyolo, torch; print("libreyolo", libreyolo.__version__, "/ torch", torch.__version__)'
+run "$venv/bin/python" -c 'import libreyolo, torch; print("libreyolo", libreyolo.__version__, "/ torch", torch.__version__, "/ CUDA", torch.version.cuda or "none (CPU build)")'
 echo
 if [ "$dry_run" = 1 ]; then
   echo "dry run: nothing was installed"

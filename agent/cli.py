@@ -226,6 +226,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------------- supervise
+
+
+def cmd_supervise(args: argparse.Namespace) -> int:
+    from . import supervisor
+
+    policy = supervisor.Policy.from_options(  # ConfigError: one line each, exit 2 (main)
+        args.max_restarts, args.first_backoff, args.max_backoff, args.min_uptime
+    )
+    job = Path(args.job).absolute()
+    _load(str(job))  # a bad job file is exit 2 here, before anything starts
+    _setup_logging(args.verbose)
+    state_dir = Env.from_environ().state_dir
+    argv = supervisor.agent_argv(job, verbose=args.verbose)
+    log_path = Path(args.log) if args.log else None
+    try:
+        return asyncio.run(
+            supervisor.Supervisor(argv, state_dir, log_path=log_path, policy=policy).run()
+        )
+    except supervisor.AlreadySupervised as exc:
+        _err(f"a supervisor (pid {exc.holder}) already runs on the state directory {state_dir}")
+        return EXIT_FAIL
+    except OSError as exc:
+        _err(f"cannot supervise in {state_dir}: {exc.strerror or exc}")
+        return EXIT_FAIL
+
+
 # ------------------------------------------------------------------- status / stop / steering
 
 
@@ -496,6 +523,13 @@ def cmd_release(args: argparse.Namespace) -> int:
 def cmd_cost(args: argparse.Namespace) -> int:
     from . import cost
 
+    if args.per_job:
+        boxes, epochs = cost.parse_per_job(args.per_job, args.epochs)
+        per_job = cost.compare_per_job(boxes, epochs)  # ConfigError: one line, exit 2 (main)
+        print(
+            json.dumps(per_job.to_dict(), indent=2) if args.json else cost.format_per_job(per_job)
+        )
+        return EXIT_OK
     names = ("disk_gb", "storage_usd_per_gb_month", "rebuild_usd", "running_usd_per_hour")
     raw = {name: getattr(args, name) for name in (*names, "gap_hours", "hours_per_month")}
     report = cost.compute(cost.parse_inputs(raw))  # ConfigError: one line, exit 2 (main)
@@ -551,6 +585,30 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate a job file (every mistake, one per line; exit 2)")
     c.add_argument("job", help="job file (TOML)")
     c.set_defaults(func=cmd_check)
+
+    sv = sub.add_parser(
+        "supervise",
+        help="run the agent, restarting it when it fails (containers without systemd)",
+        description="Run `libreyolo-agent run JOB`; start it again, after a backoff, when it "
+        "fails or is killed, not after exit 0 (the job ended) or 2 (bad job file). Exit 0 the "
+        "job ended or SIGTERM/SIGINT (passed on to the agent), 1 gave up or another supervisor "
+        "runs, 2 bad job file. Files: supervisor.pid, supervisor.json in the state directory.",
+    )
+    sv.add_argument("job", help="job file (TOML)")
+    sv.add_argument(
+        "--log",
+        metavar="FILE",
+        help="append the agent's output here (default: supervisor.log in the state directory)",
+    )
+    for flag, kind, default, text in (
+        ("--max-restarts", int, 10, "give up after N restarts in a row (none up --min-uptime)"),
+        ("--first-backoff", float, 5.0, "seconds before the first restart; doubles each time"),
+        ("--max-backoff", float, 300.0, "the longest wait before a restart, seconds"),
+        ("--min-uptime", float, 60.0, "seconds up that reset the count of restarts in a row"),
+    ):
+        sv.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default:g})")
+    sv.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
+    sv.set_defaults(func=cmd_supervise)
 
     for name, func, text in (
         ("status", cmd_status, "show the running agent's status (or an ended job's record)"),
@@ -638,6 +696,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOURS",
         help="hours in a billing month (default 720, a 30-day month: it matches the measured "
         "stopped rate; 730 is the average month)",
+    )
+    co.add_argument(
+        "--per-job",
+        nargs=2,
+        action="append",
+        metavar=("SECONDS_PER_EPOCH", "USD_PER_HOUR"),
+        help="instead: which box is cheaper per job, from the seconds per epoch measured on "
+        "it and its price; give it once per box (two or more)",
+    )
+    co.add_argument(
+        "--epochs", metavar="N", help="with --per-job: the job's epochs, for totals per job"
     )
     co.add_argument("--json", action="store_true", help="print the figures as JSON")
     co.set_defaults(func=cmd_cost)

@@ -281,6 +281,35 @@ class PreflightSection:
     deep_import: bool = False
 
 
+#: What a sizing verdict that says the box is the wrong size does (``[profile] on_verdict``):
+#: ``warn`` logs it and trains on; ``stop`` ends the job before the long run.
+ProfileAction = Literal["warn", "stop"]
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """``[profile]``: is this the right box? Before the long run, LibreYOLO's own profiler
+    (``libreyolo profile run``) runs a few steps on the rented card with the job's model,
+    batch, imgsz and workers (agent/profiling.py); during the first epochs the agent judges
+    the same from GPU and CPU samples anyway (agent/sizing.py). Default: off."""
+
+    #: Run the profiler before the long run (``enabled``; default false: it costs a minute or
+    #: two of the box, and needs a weights file of the job's model, see agent/profiling.py).
+    enabled: bool = False
+    #: Profiled (measured) steps (``steps``; default 20).
+    steps: int = 20
+    #: Warm-up steps before measuring (``warmup``; default 3).
+    warmup: int = 3
+    #: Seconds the whole profiler run may take before it is killed and the job goes on without
+    #: its verdict (``timeout``, a duration; default 5 minutes).
+    timeout_s: float = 300.0
+    #: ``warn`` (default): a verdict that says the box is the wrong size (dataloader, host /
+    #: launch bound, idle GPU) or a projection over ``limits.budget_usd`` is logged and shown;
+    #: ``stop``: the job stops before the long run with that reason, and the teardown policy
+    #: for a run that trained nothing worth keeping applies.
+    on_verdict: ProfileAction = "warn"
+
+
 #: The default metadata endpoints (a job sets others for tests and proxies).
 AWS_METADATA_URL = "http://169.254.169.254"
 GCP_METADATA_URL = "http://metadata.google.internal"
@@ -454,5 +483,7 @@ class Job:
     preemption: PreemptionSection = PreemptionSection()
     #: Webhook notices, or None when the job has no ``[notify]`` table.
     notify: NotifySection | None = None
+    #: Box sizing: the ``[profile]`` pre-run and what a wrong-size verdict does.
+    profile: ProfileSection = ProfileSection()
     #: Where the job came from (a path, or ``<demo>``); for messages only.
     source: str = "<memory>"

@@ -78,6 +78,9 @@ class ControlMixin:
     def _reserve_s(self) -> float:
         raise NotImplementedError
 
+    def _sizing_status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
     async def _held(self) -> bool:
         """``hold``: keep the box up (phase HELD, nothing torn down) until ``release`` or the
         hold's own timeout. False when the agent exits meanwhile (state.json says HELD)."""
@@ -205,6 +208,7 @@ class ControlMixin:
                 reserve_s=self._reserve_s(),
                 supervision=self._supervision(),
                 notify=self.notifier.status() if self.notifier else None,
+                sizing=self._sizing_status(),
             )
         )
 

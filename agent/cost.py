@@ -223,3 +223,136 @@ def format_report(report: CostReport) -> str:
     lines = [f"{label + ':':<{width}} {text}" for label, text in rows]
     lines.append(f"warning: {GPU_WARNING}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- per job
+#
+# Size by cost per job, not by $/h: a small model leaves a big card half idle, so the dearer
+# box per hour can be the cheaper one per job, or the other way round. Given the seconds per
+# epoch measured on each box (the agent logs them after epoch 1) and each box's price, a job
+# of E epochs costs ``E x seconds_per_epoch / 3600 x price`` there.
+
+
+@dataclass(frozen=True)
+class BoxRun:
+    """One box for the per-job comparison."""
+
+    #: Seconds per epoch measured (or profiled) on the box.
+    seconds_per_epoch: float
+    #: The box's running price, USD per hour.
+    usd_per_hour: float
+    #: ``box 1``, ``box 2``... in the order given.
+    label: str = ""
+
+    @property
+    def usd_per_epoch(self) -> float:
+        return self.seconds_per_epoch / 3600.0 * self.usd_per_hour
+
+
+@dataclass(frozen=True)
+class PerJobReport:
+    boxes: tuple[BoxRun, ...]
+    #: The job's epochs; None: figures per epoch only (the verdict is the same).
+    epochs: int | None
+    #: Index in ``boxes`` of the cheapest per job (a tie goes to the faster box).
+    cheapest: int
+
+    def job_usd(self, box: BoxRun) -> float:
+        return box.usd_per_epoch * (self.epochs or 1)
+
+    def job_hours(self, box: BoxRun) -> float:
+        return box.seconds_per_epoch * (self.epochs or 1) / 3600.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epochs": self.epochs,
+            "boxes": [
+                {
+                    **asdict(b),
+                    "usd_per_epoch": b.usd_per_epoch,
+                    "job_usd": self.job_usd(b) if self.epochs else None,
+                    "job_hours": self.job_hours(b) if self.epochs else None,
+                }
+                for b in self.boxes
+            ],
+            "cheapest": self.boxes[self.cheapest].label,
+        }
+
+
+def compare_per_job(boxes: list[BoxRun], epochs: int | None = None) -> PerJobReport:
+    """Which box is cheaper per job: the lowest ``seconds_per_epoch x price`` (a tie goes to
+    the faster box: the same money, done sooner)."""
+    if len(boxes) < 2:
+        raise ConfigError("--per-job", "compares two boxes or more: give --per-job twice")
+    labelled = tuple(
+        b if b.label else BoxRun(b.seconds_per_epoch, b.usd_per_hour, f"box {i + 1}")
+        for i, b in enumerate(boxes)
+    )
+    cheapest = min(
+        range(len(labelled)),
+        key=lambda i: (labelled[i].usd_per_epoch, labelled[i].seconds_per_epoch),
+    )
+    return PerJobReport(labelled, epochs, cheapest)
+
+
+def parse_per_job(pairs: list[list[str]], epochs: str | None) -> tuple[list[BoxRun], int | None]:
+    """``--per-job SECONDS_PER_EPOCH USD_PER_HOUR`` (given once per box) and ``--epochs``, as
+    typed; :class:`ConfigError` names the option, the value and what was expected."""
+    boxes = []
+    for i, pair in enumerate(pairs):
+        spe_text, price_text = pair
+        spe = _positive_number("--per-job", spe_text, "seconds per epoch, more than 0 (e.g. 259)")
+        price = _positive_number(
+            "--per-job", price_text, "the price in USD per hour, 0 or more (e.g. 3.48)", zero=True
+        )
+        boxes.append(BoxRun(spe, price, f"box {i + 1}"))
+    n: int | None = None
+    if epochs is not None:
+        try:
+            n = int(epochs.strip())
+        except ValueError:
+            raise ConfigError("--epochs", f"{epochs!r} is not a whole number of epochs") from None
+        if n < 1:
+            raise ConfigError("--epochs", f"{epochs!r} must be 1 or more")
+    return boxes, n
+
+
+def _positive_number(option: str, raw: str, expected: str, *, zero: bool = False) -> float:
+    text = raw.strip().removeprefix("$")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(option, f"{raw!r} is not a number; expected {expected}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(option, f"{raw!r} is out of range; expected {expected}")
+    return value
+
+
+def format_per_job(report: PerJobReport) -> str:
+    """The comparison for a person: per box its cost per epoch (and per job), then which is
+    cheaper per job and by how much."""
+    lines = []
+    for b in report.boxes:
+        line = (
+            f"{b.label}: {b.seconds_per_epoch:g} s/epoch at ${b.usd_per_hour:g}/h = "
+            f"${b.usd_per_epoch:.4f}/epoch"
+        )
+        if report.epochs:
+            line += (
+                f"; {report.epochs} epochs: {_hours(report.job_hours(b))}, "
+                f"{_usd(report.job_usd(b))}"
+            )
+        lines.append(line)
+    best = report.boxes[report.cheapest]
+    others = [b for i, b in enumerate(report.boxes) if i != report.cheapest]
+    dearest = max(others, key=lambda b: b.usd_per_epoch)
+    saving = report.job_usd(dearest) - report.job_usd(best)
+    per = f"per job of {report.epochs} epochs" if report.epochs else "per epoch"
+    verdict = f"cheaper per job: {best.label} (saves {_usd(saving)} {per} over {dearest.label}"
+    slower = [b for b in others if b.seconds_per_epoch < best.seconds_per_epoch]
+    if slower:
+        fastest = min(slower, key=lambda b: b.seconds_per_epoch)
+        ratio = best.seconds_per_epoch / fastest.seconds_per_epoch
+        verdict += f"; {ratio:.1f}x slower than {fastest.label}"
+    lines.append(verdict + ")")
+    return "\n".join(lines)

@@ -24,18 +24,21 @@ from .config import Env, Job, LimitsSection, TeardownAction, TeardownSection
 from .control import AgentError as AgentError  # re-exported: the CLI catches it
 from .control import ControlMixin
 from .crashpoints import crashpoint
-from .events import EventBus
+from .events import Event, EventBus
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, effective_limits, read_price
 from .notify import Notifier
 from .preemption import Notice, PreemptionWatcher
+from .profiling import ProfileResult
 from .progress import ProgressTracker
 from .providers import Provider, make_provider
 from .resume import boot_id
 from .rundir import RunStatus, read_status
+from .sdnotify import SdNotify
 from .server import StatusServer
 from .signals import Flags
 from .sinks import Sink, make_sink
+from .sizing import ProcessSampler, Projection, SizingWatch, job_gpu_indices, job_workers
 from .state import (
     Phase,
     Reason,
@@ -139,6 +142,15 @@ class Daemon(TrainingMixin, ControlMixin):
         #: Warnings of this run, for the post-mortem report.
         self.warnings: list[str] = []
         self.events.listen(self._note_warning)
+        #: "Is this the right box?" (agent/sizingrun.py).
+        self.sizing = SizingWatch(gpu_indices=job_gpu_indices(job), workers=job_workers(job))
+        self.sizer: ProcessSampler | None = None
+        self.projection: Projection | None = None
+        self.profile_result: ProfileResult | None = None
+        self._sizing_said: str | None = None
+        #: systemd's notify socket (READY, WATCHDOG, STATUS, STOPPING), a no-op without one.
+        self.systemd = SdNotify.from_env()
+        self.events.listen(self._tell_systemd)
         #: Webhook notices ([notify]), or None (agent/notify.py).
         self.notifier: Notifier | None = (
             Notifier(
@@ -192,6 +204,8 @@ class Daemon(TrainingMixin, ControlMixin):
                     self._record_crash(exc)
                     raise
         finally:
+            self.systemd.stopping(f"phase {self.state.phase.value}")
+            self.systemd.close()
             os.close(lock)
             signals.remove()
 
@@ -243,6 +257,9 @@ class Daemon(TrainingMixin, ControlMixin):
             self._spawn(self.sync.run(), "sync")
         await self._start_server()
         self._save()
+        self.systemd.ready(f"phase {self.state.phase.value}")
+        if self.systemd.watchdog_interval_s() is not None:
+            self._spawn(self.systemd.watchdog_task(lambda: True), "watchdog")
         if self.on_ready:
             self.on_ready(self)
         try:
@@ -316,6 +333,12 @@ class Daemon(TrainingMixin, ControlMixin):
             self._save()
             crashpoint("staging")
             if not await self._staging():
+                await self._sync_reports()
+                return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
+            wrong_box = await self._profile_gate()
+            if wrong_box is not None:
+                self.state.cause = wrong_box
+                log.error("%s", wrong_box)
                 await self._sync_reports()
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.flags.shutdown.is_set():
@@ -475,6 +498,7 @@ class Daemon(TrainingMixin, ControlMixin):
                 log.info("watching GPU health through NVML")
         if self.progress is not None and self.gpu is not None:
             self.progress = ProgressTracker(self.job.limits, clock=self.clock, gpu=self.gpu)
+        self._start_sizing()
 
     def limits(self) -> LimitsSection:
         """The job's limits, with the provider's real price where the job says ``auto``."""
@@ -541,6 +565,11 @@ class Daemon(TrainingMixin, ControlMixin):
         # 4. The HTTP server goes last, so /status stays answerable as long as possible.
         if self.server is not None:
             await self.server.stop()
+
+    def _tell_systemd(self, event: Event) -> None:
+        if event.kind == "phase":
+            why = f" ({event.data['reason']})" if event.data.get("reason") else ""
+            self.systemd.status(f"phase {event.data['to']}{why}")
 
     def _publish_phases(self) -> None:
         """Every phase change recorded in the history since the last save, as an event."""

@@ -33,6 +33,8 @@ from .config import (
     NotifySection,
     PreemptionSection,
     PreflightSection,
+    ProfileAction,
+    ProfileSection,
     ProviderName,
     ServerSection,
     SyncSection,
@@ -96,7 +98,10 @@ _SECTIONS = (
     "preflight",
     "preemption",
     "notify",
+    "profile",
 )
+#: ``[profile] on_verdict`` values.
+_PROFILE_ACTIONS: tuple[ProfileAction, ...] = get_args(ProfileAction)
 
 
 def teardown_provider(doc: Mapping[str, Any]) -> str:
@@ -322,6 +327,8 @@ def job_from_dict(
 
     notify = _load_notify(Table("notify", doc["notify"], errors)) if "notify" in doc else None
 
+    profile = _load_profile(Table("profile", doc.get("profile", {}), errors))
+
     errors.raise_if_any()
     return Job(
         job=job_section,
@@ -335,6 +342,7 @@ def job_from_dict(
         preflight=preflight,
         preemption=preemption,
         notify=notify,
+        profile=profile,
         source=source,
     )
 
@@ -368,6 +376,21 @@ def _load_preemption(t: Table) -> PreemptionSection:
         aws_url=urls["aws_url"],
         gcp_url=urls["gcp_url"],
         poll_interval_s=t.duration("poll_interval", d.poll_interval_s),
+    )
+    t.finish()
+    return section
+
+
+def _load_profile(t: Table) -> ProfileSection:
+    """The ``[profile]`` table: the profiler pre-run and what a wrong-size verdict does."""
+    d = ProfileSection()
+    on_verdict = t.choice("on_verdict", d.on_verdict, _PROFILE_ACTIONS)
+    section = ProfileSection(
+        enabled=t.bool_("enabled", d.enabled),
+        steps=t.int_("steps", d.steps, minimum=1),
+        warmup=t.int_("warmup", d.warmup, minimum=0),
+        timeout_s=t.duration("timeout", d.timeout_s),
+        on_verdict="stop" if on_verdict == "stop" else "warn",
     )
     t.finish()
     return section

@@ -39,6 +39,8 @@ class StatusInputs:
     supervision: dict[str, Any] | None = None
     #: The webhook notifier's counters (no URL), or None without ``[notify]``.
     notify: dict[str, Any] | None = None
+    #: "Is this the right box?": the verdict, the projection, the profiler's result.
+    sizing: dict[str, Any] | None = None
 
 
 def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -82,6 +84,7 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         ),
         "supervision": i.supervision,
         "notify": i.notify,
+        "sizing": i.sizing,
         # What the teardown will do, before it is decided (then ``teardown`` has the record).
         "teardown_plan": {
             "provider": i.job.teardown.provider,

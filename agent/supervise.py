@@ -39,6 +39,7 @@ from .rundir import (
     run_dir_from_result,
 )
 from .signals import Flags
+from .sizingrun import SizingMixin
 from .state import Reason, RunState, StateStore
 from .sync import SyncEngine
 from .text import os_error
@@ -62,7 +63,7 @@ PREEMPT_SURVIVAL_S = 300.0
 PREEMPT_UPLOAD_S = 120.0
 
 
-class TrainingMixin(RelaunchMixin):
+class TrainingMixin(RelaunchMixin, SizingMixin):
     # Provided by the daemon.
     job: Job
     env: Env
@@ -300,6 +301,11 @@ class TrainingMixin(RelaunchMixin):
                 self.events.publish("stall", message=stall.message)
                 await self._save_now()
                 return Reason.STALLED
+        wrong_box = await self._sample_sizing()
+        if wrong_box is not None:
+            self.breach_message = wrong_box
+            log.error("%s: stopping the trainer", wrong_box)
+            return Reason.PREFLIGHT_FAILED
         reserve = self._reserve_s()
         cfg = self.limits()
         now = self.clock()

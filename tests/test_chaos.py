@@ -129,7 +129,11 @@ def test_agent_killed_at_random_moments_and_named_points_loses_nothing(
     assert state.outcome is not None and state.outcome["kind"] == "completed"
     assert not state.resumes, state.resumes  # only agents were killed: the trainer never died
     done = RunStatus.from_dict(status).completed_epochs
-    assert done == epochs
+    # Every epoch trained once; LibreYOLO's early stop (patience 50 without a better metric,
+    # which a from-scratch model on 8 images never has) may end the run before `epochs`.
+    rows = (runs / "run1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["epoch"] for r in rows] == list(range(1, done + 1))
+    assert done >= 50
     synced = {p.name for p in (tmp_path / "synced" / "weights").glob("*.pt")}
     assert {f"epoch_{n}.pt" for n in range(3, done + 1, 3)} <= synced, sorted(synced)
     on_disk = {p.name for p in (runs / "run1" / "weights").glob("*.pt")}

@@ -246,3 +246,63 @@ def test_cli_help_documents_every_option(tmp_path: Path) -> None:
         "--json",
     ):
         assert option in proc.stdout
+
+
+# ---------------------------------------------------------------------------------- per job
+
+
+def test_per_job_hand_computed() -> None:
+    from agent.cost import BoxRun, compare_per_job
+
+    # Box 1: 259.2 s/epoch at $3.4828/h = 0.072 h x 3.4828 = $0.2507616/epoch -> $25.07616 / 100.
+    # Box 2: 600 s/epoch at $0.80/h = 0.16667 h x 0.8 = $0.1333.../epoch -> $13.333... / 100.
+    report = compare_per_job([BoxRun(259.2, 3.4828), BoxRun(600.0, 0.80)], 100)
+    assert report.boxes[0].usd_per_epoch == pytest.approx(0.2507616)
+    assert report.job_usd(report.boxes[1]) == pytest.approx(13.3333333)
+    assert report.job_hours(report.boxes[0]) == pytest.approx(7.2)
+    assert report.cheapest == 1
+    assert report.to_dict()["cheapest"] == "box 2"
+
+
+def test_per_job_the_dearer_box_per_hour_can_be_cheaper_per_job() -> None:
+    from agent.cost import BoxRun, compare_per_job
+
+    # $2/h at 100 s/epoch ($0.0556) beats $1/h at 250 s/epoch ($0.0694).
+    assert compare_per_job([BoxRun(250.0, 1.0), BoxRun(100.0, 2.0)]).cheapest == 1
+
+
+def test_per_job_tie_goes_to_the_faster_box() -> None:
+    from agent.cost import BoxRun, compare_per_job
+
+    assert compare_per_job([BoxRun(200.0, 1.0), BoxRun(100.0, 2.0)]).cheapest == 1
+
+
+def test_per_job_cli(tmp_path: Path) -> None:
+    args = ["--per-job", "259.2", "3.4828", "--per-job", "600", "0.80", "--epochs", "100"]
+    out = cost_cli(tmp_path, *args)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "box 1: 259.2 s/epoch at $3.4828/h = $0.2508/epoch; 100 epochs: 7.2 h, $25.08" in out.stdout
+    )
+    assert "cheaper per job: box 2 (saves $11.74 per job of 100 epochs over box 1" in out.stdout
+    doc = json.loads(cost_cli(tmp_path, *args, "--json").stdout)
+    assert doc["cheapest"] == "box 2"
+    assert doc["boxes"][0]["job_usd"] == pytest.approx(25.07616)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--per-job", "100", "1"], "--per-job: compares two boxes or more"),
+        (["--per-job", "0", "1", "--per-job", "5", "1"], "'0' is out of range"),
+        (["--per-job", "5", "x", "--per-job", "5", "1"], "'x' is not a number"),
+        (["--per-job", "5", "1", "--per-job", "5", "1", "--epochs", "1.5"], "--epochs: '1.5'"),
+    ],
+)
+def test_per_job_mistakes_are_one_line_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = cost_cli(tmp_path, *args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(PREFIX) and message in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,68 +1,355 @@
-"""install.sh, through its --dry-run: which pip call gets the custom index, which extras go in."""
+"""install.sh and scripts/bootstrap.sh.
+
+- ``install.sh --dry-run`` on PATHs of our choosing: which pip call gets the custom index, the
+  torch decision with a fake ``nvidia-smi`` (the base Python's real torch is what it probes).
+- install.sh for real into a temporary venv (the CPU path), twice: the second run changes
+  nothing; then the demo job from that install.
+- bootstrap.sh with a stand-in ``libreyolo-agent supervise`` (container mode, started once), a
+  fake ``systemctl`` (systemd mode) and a job fetched from the fake Hub.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fakes.hub import run_fake_hub
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CUDA_INDEX = "--index-url https://download.pytorch.org/whl/cu128"
+INSTALL = REPO_ROOT / "install.sh"
+BOOTSTRAP = REPO_ROOT / "scripts" / "bootstrap.sh"
+CUDA_INDEX = "--index-url http://127.0.0.1:9/whl/cu128"
+TOKEN = "hf_bootstrap_secret_789"
 
 
-def dry_run(tmp_path: Path, *args: str, nvidia_smi: bool, pip_args: str = "") -> list[str]:
-    """The pip command lines ``install.sh --dry-run`` would run, on a PATH of our choosing."""
+def fake_smi(bin_dir: Path, header: str, query: str) -> None:
+    (bin_dir / "smi-header.txt").write_text(header, encoding="utf-8")
+    (bin_dir / "smi-query.txt").write_text(query, encoding="utf-8")
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        f'#!/bin/sh\nif [ $# -gt 0 ]; then /bin/cat "{bin_dir}/smi-query.txt"; '
+        f'else /bin/cat "{bin_dir}/smi-header.txt"; fi\n',
+        encoding="utf-8",
+    )
+    smi.chmod(0o755)
+
+
+def dry_run(
+    tmp_path: Path, *args: str, smi: tuple[str, str] | None = None, pip_args: str = ""
+) -> tuple[list[str], str]:
+    """The pip command lines ``install.sh --dry-run`` would run, and all it printed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for tool in ("dirname", "sed"):
         found = shutil.which(tool)
         assert found is not None
         (bin_dir / tool).symlink_to(found)
-    if nvidia_smi:
-        fake = bin_dir / "nvidia-smi"
-        fake.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
-        fake.chmod(0o755)
+    if smi is not None:
+        fake_smi(bin_dir, *smi)
     env = {"PATH": str(bin_dir), "PYTHON": sys.executable, "VENV": str(tmp_path / "venv")}
     if pip_args:
         env["PIP_ARGS"] = pip_args
     proc = subprocess.run(
-        ["/bin/bash", str(REPO_ROOT / "install.sh"), "--dry-run", *args],
+        ["/bin/bash", str(INSTALL), "--dry-run", *args],
         capture_output=True,
         text=True,
         env=env,
-        timeout=60,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "venv").exists()  # a dry run creates nothing
-    return [line for line in proc.stdout.splitlines() if " -m pip " in line]
+    return [line for line in proc.stdout.splitlines() if " -m pip " in line], proc.stdout
 
 
 def test_a_custom_index_applies_to_torch_only(tmp_path: Path) -> None:
-    torch, agent = dry_run(tmp_path, nvidia_smi=False, pip_args=CUDA_INDEX)
+    (torch, agent), out = dry_run(tmp_path, pip_args=CUDA_INDEX)
     assert CUDA_INDEX in torch and "torch==2.14.1 torchvision==0.29.1" in torch
     assert "--index-url" not in agent and "-e " in agent
+    assert "TORCH_SPEC/PIP_ARGS are set" in out
 
 
-@pytest.mark.parametrize(
-    ("args", "nvidia_smi", "extras"),
-    [
-        ((), False, r"\[train\]"),
-        (("--dev",), False, r"\[train\,dev\]"),
-        ((), True, r"\[train\,gpu\]"),
-        (("--dev",), True, r"\[train\,dev\,gpu\]"),
-    ],
-)
-def test_the_gpu_extra_comes_with_nvidia_smi(
-    tmp_path: Path, args: tuple[str, ...], nvidia_smi: bool, extras: str
+@pytest.mark.parametrize(("args", "extras"), [((), r"\[train\]"), (("--dev",), r"\[train\,dev\]")])
+def test_cpu_machine_gets_the_default_torch_then_the_agent(
+    tmp_path: Path, args: tuple[str, ...], extras: str
 ) -> None:
-    torch, agent = dry_run(tmp_path, *args, nvidia_smi=nvidia_smi)
+    (torch, agent), out = dry_run(tmp_path, *args)
     assert agent.endswith(extras), agent  # printf %q escapes the brackets and commas
-    assert "--index-url" not in torch
+    assert torch.endswith("install torch==2.14.1 torchvision==0.29.1")
+    assert "no nvidia-smi: a CPU machine" in out
+    assert "gpu" not in agent  # nvidia-ml-py is a core dependency: there is no gpu extra
+
+
+def test_job_extras_go_with_the_agent_install(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nmodel = "rfdetr-s"\nlora = true\n', encoding="utf-8")
+    (_, agent), out = dry_run(tmp_path, "--job", str(job), "--extras", "onnx")
+    assert agent.endswith(r"libreyolo\[lora\,onnx\,rfdetr\]"), agent
+    assert "rfdetr: train.model = 'rfdetr-s'" in out
+
+
+def test_driver_550_box_installs_a_cu124_torch_before_libreyolo(tmp_path: Path) -> None:
+    # The base Python's torch (CUDA 13.0 build) is too new for a 12.4 driver.
+    smi = (
+        "| NVIDIA-SMI 550.127.05   Driver Version: 550.127.05   CUDA Version: 12.4 |\n",
+        "NVIDIA L4, 8.9\n",
+    )
+    (torch, agent), out = dry_run(tmp_path, smi=smi)
+    assert "torch==2.6.0 torchvision==0.21.0" in torch and torch.split(" install ")[1].startswith(
+        "--index-url https://download.pytorch.org/whl/cu124"
+    )
+    assert "--index-url" not in agent
+    assert "the driver runs CUDA <= 12.4" in out
+
+
+def test_driver_580_box_keeps_the_image_torch(tmp_path: Path) -> None:
+    smi = (
+        "| NVIDIA-SMI 580.82.07   Driver Version: 580.82.07   CUDA Version: 13.0 |\n",
+        "NVIDIA H100 80GB HBM3, 9.0\n",
+    )
+    pips, out = dry_run(tmp_path, smi=smi)
+    assert len(pips) == 1 and "-e " in pips[0]  # no torch install at all
+    assert "-m venv --system-site-packages" in out
+    assert "keeping the image's torch" in out and "no download" in out
 
 
 def test_install_sh_is_valid_bash() -> None:
-    proc = subprocess.run(["/bin/bash", "-n", str(REPO_ROOT / "install.sh")], capture_output=True)
-    assert proc.returncode == 0, proc.stderr
+    for script in (INSTALL, BOOTSTRAP):
+        proc = subprocess.run(["/bin/bash", "-n", str(script)], capture_output=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+# ---- the real install (CPU path), twice, then the demo job
+
+
+def snapshot(venv: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the venv (pyc caches aside) with its size and mtime."""
+    found = {}
+    for path in venv.rglob("*"):
+        if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+            st = path.stat()
+            found[str(path.relative_to(venv))] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+    """A venv made by install.sh (pip's own configuration and cache), run twice."""
+    root = tmp_path_factory.mktemp("install")
+    venv = root / "venv"
+    env = dict(os.environ, VENV=str(venv), PYTHON=shutil.which("python3.11") or sys.executable)
+    for name in ("TORCH_SPEC", "PIP_ARGS", "LIBREYOLO_EXTRAS", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    outputs, snapshots = [], []
+    for _ in range(2):
+        proc = subprocess.run(
+            [str(INSTALL)], capture_output=True, text=True, env=env, cwd=root, timeout=1500
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outputs.append(proc.stdout + proc.stderr)
+        snapshots.append(snapshot(venv))
+    assert snapshots[0] == snapshots[1], "the second install changed the venv"
+    yield venv, outputs
+    shutil.rmtree(venv, ignore_errors=True)  # about 6 GB
+
+
+@pytest.mark.timeout(3000)
+def test_a_second_install_changes_nothing(installed: tuple[Path, list[str]]) -> None:
+    venv, (first, second) = installed
+    assert "Successfully installed" in first and "no nvidia-smi: a CPU machine" in first
+    assert "Successfully installed" not in second and "Downloading" not in second
+    assert "Requirement already satisfied: torch==2.14.1" in second
+    assert "already installed, nothing to change" in second
+    assert (venv / "bin" / "libreyolo-agent").exists()
+
+
+@pytest.mark.timeout(3000)
+def test_the_demo_job_runs_from_the_install(
+    installed: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    venv, _ = installed
+    proc = subprocess.run(
+        [str(venv / "bin" / "libreyolo-agent"), "run", "--demo-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "reason:     completed" in proc.stdout
+
+
+# ---- bootstrap.sh
+
+
+def fake_venv(root: Path) -> Path:
+    """A venv whose python is this one and whose ``libreyolo-agent`` is the real CLI, except
+    ``supervise``: it records the start, writes ``supervisor.pid`` and waits."""
+    bin_dir = root / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n', encoding="utf-8")
+    agent = bin_dir / "libreyolo-agent"
+    agent.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = supervise ]; then\n'
+        '  log="$LIBREYOLO_AGENT_STATE_DIR/starts"\n'
+        '  echo "$$ $* HF_HOME=$HF_HOME token=${HF_TOKEN:+set}" >>"$log"\n'
+        '  echo $$ >"$LIBREYOLO_AGENT_STATE_DIR/supervisor.pid"\n'
+        "  while :; do sleep 1; done\n"
+        "fi\n"
+        f'PYTHONPATH="{REPO_ROOT}" exec "{sys.executable}" -m agent.cli "$@"\n',
+        encoding="utf-8",
+    )
+    for exe in (python, agent):
+        exe.chmod(0o755)
+    return root / "venv"
+
+
+def boot_env(root: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LIBREYOLO_AGENT_", "HF_", "VAST", "RUNPOD", "CONTAINER_"))
+    }
+    env.update(
+        VENV=str(fake_venv(root) if not (root / "venv").exists() else root / "venv"),
+        LIBREYOLO_AGENT_CONFIG_DIR=str(root / "etc"),
+        LIBREYOLO_AGENT_STATE_DIR=str(root / "state"),
+        LIBREYOLO_AGENT_VOLUME=str(root / "volume"),
+        LIBREYOLO_AGENT_SYSTEMD_DIR=str(root / "units"),
+        LIBREYOLO_AGENT_INIT="container",
+        HF_TOKEN=TOKEN,
+    )
+    (root / "volume").mkdir(exist_ok=True)
+    env.update(extra)
+    return env
+
+
+def bootstrap(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["/bin/bash", str(BOOTSTRAP), "--no-install", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+JOB = """[job]
+name = "boot"
+runs_dir = "{root}/runs"
+[train]
+model = "yolox-n"
+data = "{root}/data.yaml"
+epochs = 1
+[teardown]
+provider = "none"
+"""
+
+
+@pytest.fixture
+def supervisors(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    pid_file = tmp_path / "state" / "supervisor.pid"
+    if pid_file.exists():  # stop the stand-in this test started, by its pid
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def test_bootstrap_in_a_container_starts_one_supervisor(supervisors: Path) -> None:
+    root = supervisors
+    job_text = JOB.format(root=root)
+    env = boot_env(root, LIBREYOLO_AGENT_JOB_TOML=job_text)
+    first = bootstrap(env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    job = root / "etc" / "job.toml"
+    assert job.read_text(encoding="utf-8") == job_text + "\n"
+    assert stat.S_IMODE(job.stat().st_mode) == 0o600
+    assert "started the supervisor" in first.stdout and "ssh -p <port>" in first.stdout
+    assert f"HF_HOME={root}/volume/.cache/huggingface" in first.stdout
+    for _ in range(200):  # the stand-in writes its pid file as soon as it runs
+        if (root / "state" / "supervisor.pid").exists():
+            break
+        subprocess.run(["sleep", "0.05"], check=True)
+    second = bootstrap(env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "the supervisor runs already" in second.stdout and f"unchanged: {job}" in second.stdout
+    starts = (root / "state" / "starts").read_text(encoding="utf-8").splitlines()
+    assert len(starts) == 1 and f"supervise {job}" in starts[0]
+    assert f"HF_HOME={root}/volume/.cache/huggingface token=set" in starts[0]
+    assert TOKEN not in first.stdout + first.stderr + second.stdout + second.stderr
+    assert not list((root / "etc").glob("env"))  # no secrets on disk without systemd
+
+
+def test_bootstrap_without_a_job_says_how_to_give_one(tmp_path: Path) -> None:
+    proc = bootstrap(boot_env(tmp_path))
+    assert proc.returncode == 2 and "LIBREYOLO_AGENT_JOB_TOML" in proc.stderr
+
+
+def test_bootstrap_refuses_a_bad_job_before_starting(tmp_path: Path) -> None:
+    proc = bootstrap(boot_env(tmp_path, LIBREYOLO_AGENT_JOB_TOML="[train]\nepochs = 'many'\n"))
+    assert proc.returncode == 2 and "not valid" in proc.stderr
+    assert not (tmp_path / "state" / "starts").exists()
+
+
+def test_bootstrap_with_systemd_installs_the_unit_and_env(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text(
+        f'#!/bin/sh\necho "$*" >>"{tmp_path}/systemctl.calls"\n'
+        '[ "$1" = is-active ] && exit 3\nexit 0\n',
+        encoding="utf-8",
+    )
+    systemctl.chmod(0o755)
+    job_file = tmp_path / "given.toml"
+    job_file.write_text(JOB.format(root=tmp_path), encoding="utf-8")
+    env = boot_env(
+        tmp_path,
+        LIBREYOLO_AGENT_INIT="systemd",
+        LIBREYOLO_AGENT_JOB=str(job_file),
+        VAST_API_KEY='k"ey\\1',
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+    )
+    for _ in range(2):
+        proc = bootstrap(env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    unit = tmp_path / "units" / "libreyolo-agent.service"
+    assert unit.read_bytes() == (REPO_ROOT / "systemd" / "libreyolo-agent.service").read_bytes()
+    dropin = (tmp_path / "units" / "libreyolo-agent.service.d" / "10-bootstrap.conf").read_text()
+    assert (
+        f"ExecStart=\nExecStart={tmp_path}/venv/bin/libreyolo-agent run {tmp_path}/etc/job.toml"
+        in dropin
+    )
+    env_file = tmp_path / "etc" / "env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    lines = env_file.read_text(encoding="utf-8").splitlines()
+    assert f'HF_TOKEN="{TOKEN}"' in lines and 'VAST_API_KEY="k\\"ey\\\\1"' in lines
+    calls = (tmp_path / "systemctl.calls").read_text(encoding="utf-8").splitlines()
+    # The unit changed on the first run only: one daemon-reload; enable --now is idempotent.
+    assert calls.count("daemon-reload") == 1
+    assert calls.count("enable --now libreyolo-agent") == 2
+    assert TOKEN not in proc.stdout + proc.stderr
+
+
+def test_bootstrap_fetches_the_job_from_the_hub(supervisors: Path) -> None:
+    root = supervisors
+    job_text = JOB.format(root=root).encode()
+    with run_fake_hub(tokens={TOKEN}) as hub:
+        hub.add_file("model", "org/jobs", "boxes/job.toml", job_text, private=True)
+        env = boot_env(
+            root, LIBREYOLO_AGENT_JOB="hf://org/jobs/boxes/job.toml", HF_ENDPOINT=hub.url
+        )
+        proc = bootstrap(env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (root / "etc" / "job.toml").read_bytes() == job_text
+        missing = bootstrap(dict(env, LIBREYOLO_AGENT_JOB="hf://org/jobs/nope.toml"))
+    assert missing.returncode == 1 and "cannot fetch hf://org/jobs/nope.toml" in missing.stderr
+    assert TOKEN not in proc.stdout + proc.stderr + missing.stderr

@@ -2013,3 +2013,53 @@ def test_only_epoch_notices_is_a_choice() -> None:
         with_section("notify", {"webhook": SLACK, "events": [], "every_epochs": 5})
     ).notify
     assert notify is not None and notify.events == () and notify.every_epochs == 5
+
+
+# --------------------------------------------------------------------------------------------
+# [profile]
+
+
+def test_profile_defaults_off() -> None:
+    from agent.config import ProfileSection
+
+    job = parse(base_doc())
+    assert job.profile == ProfileSection()
+    assert job.profile.enabled is False
+    assert (job.profile.steps, job.profile.warmup, job.profile.timeout_s) == (20, 3, 300.0)
+    assert job.profile.on_verdict == "warn"
+
+
+def test_profile_values_are_read() -> None:
+    job = parse(
+        with_section(
+            "profile",
+            {"enabled": True, "steps": 5, "warmup": 0, "timeout": "2m", "on_verdict": "stop"},
+        )
+    )
+    assert job.profile.enabled is True
+    assert (job.profile.steps, job.profile.warmup, job.profile.timeout_s) == (5, 0, 120.0)
+    assert job.profile.on_verdict == "stop"
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "words"),
+    [
+        ({"on_verdict": "halt"}, "profile.on_verdict", "not one of warn, stop"),
+        ({"steps": 0}, "profile.steps", "must be >= 1"),
+        ({"warmup": -1}, "profile.warmup", "must be >= 0"),
+        ({"timeout": "soon"}, "profile.timeout", "not a duration"),
+        ({"enabled": "yes"}, "profile.enabled", "not a boolean"),
+        ({"stepz": 3}, "profile.stepz", "unknown key"),
+    ],
+)
+def test_profile_mistakes_are_named(values: dict[str, Any], key: str, words: str) -> None:
+    exc = config_error(with_section("profile", values))
+    assert_names_key(exc, key)
+    assert words in str(exc)
+
+
+def test_profile_and_notify_sections_both_accepted() -> None:
+    doc = with_section("profile", {"enabled": True})
+    doc["notify"] = {"webhook": "https://hooks.example.com/x"}
+    job = parse(doc)
+    assert job.profile.enabled and job.notify is not None

@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# The on-start entry of a rented GPU box: install, fetch the job, start the agent supervised.
+# Paste ONE line into Vast's on-start script, RunPod's start command or cloud-init:
+#
+#   git clone <this repo> /opt/libreyolo-agent && /opt/libreyolo-agent/scripts/bootstrap.sh
+#
+# and give the job in the provider's environment variables (or with --job). Safe to run at every
+# boot: a second run changes nothing and never starts a second agent.
+#
+# Usage: bootstrap.sh [--job PATH | --job hf://[datasets/]org/repo[@rev]/path/job.toml]
+#                     [--no-install] [-h|--help]
+#   --no-install  use the virtual environment as it is (do not run install.sh)
+#
+# The job, first found wins:
+#   --job                    a file, or a file in a Hub repo (fetched with HF_TOKEN)
+#   LIBREYOLO_AGENT_JOB_TOML the job's TOML text itself (providers set variables, not files)
+#   LIBREYOLO_AGENT_JOB      a file path or an hf:// URL, as --job
+#   the job written by an earlier run ($LIBREYOLO_AGENT_CONFIG_DIR/job.toml)
+# It is written to $LIBREYOLO_AGENT_CONFIG_DIR/job.toml, mode 0600.
+#
+# Environment:
+#   HF_TOKEN, CONTAINER_API_KEY, VAST_API_KEY, RUNPOD_API_KEY, LAMBDA_API_KEY
+#                             secrets, read from the environment only and never printed; on
+#                             systemd they go to $LIBREYOLO_AGENT_CONFIG_DIR/env (mode 0600)
+#   HF_HOME                   the Hub cache; default: on the persistent volume when one is
+#                             mounted (LIBREYOLO_AGENT_VOLUME, else /workspace, /runpod-volume)
+#   HF_ENDPOINT               the Hub's URL (a mirror)
+#   VENV                      the virtual environment (default: .venv in this repo)
+#   LIBREYOLO_AGENT_CONFIG_DIR  default /etc/libreyolo-agent
+#   LIBREYOLO_AGENT_STATE_DIR   default /var/lib/libreyolo-agent (supervisor.pid, logs)
+#   LIBREYOLO_AGENT_INIT      auto (systemd when PID 1 is systemd), systemd or container
+#   LIBREYOLO_AGENT_SYSTEMD_DIR where the unit goes (default /etc/systemd/system)
+# install.sh's variables (TORCH_SPEC, PIP_ARGS, LIBREYOLO_EXTRAS, ...) pass through.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export VENV="${VENV:-$here/.venv}"
+venv="$VENV"
+config_dir="${LIBREYOLO_AGENT_CONFIG_DIR:-/etc/libreyolo-agent}"
+export LIBREYOLO_AGENT_STATE_DIR="${LIBREYOLO_AGENT_STATE_DIR:-/var/lib/libreyolo-agent}"
+state_dir="$LIBREYOLO_AGENT_STATE_DIR"
+unit_dir="${LIBREYOLO_AGENT_SYSTEMD_DIR:-/etc/systemd/system}"
+init="${LIBREYOLO_AGENT_INIT:-auto}"
+job_dest="$config_dir/job.toml"
+# The unit file's own paths; anything else gets a drop-in that points it at ours.
+unit_venv="/opt/libreyolo-agent/.venv"
+unit_job="/etc/libreyolo-agent/job.toml"
+unit_state="/var/lib/libreyolo-agent"
+# Passed to the agent under systemd (its environment file); secrets among them are never printed.
+env_names=(HF_TOKEN HF_ENDPOINT HF_HOME CONTAINER_ID CONTAINER_API_KEY VAST_API_KEY
+  RUNPOD_POD_ID RUNPOD_API_KEY LAMBDA_API_KEY)
+
+say() { printf 'bootstrap: %s\n' "$*"; }
+die() { printf 'bootstrap: %s\n' "$1" >&2; exit "${2:-1}"; }
+usage() { sed -n '2,/^set -euo/p' "$0" | sed -n 's/^# \{0,1\}//p'; }
+
+job_arg=""
+install=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --job) [ $# -ge 2 ] || die "--job needs a path or an hf:// URL" 2; job_arg="$2"; shift ;;
+    --job=*) job_arg="${1#--job=}" ;;
+    --no-install) install=0 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (try --help)" 2 ;;
+  esac
+  shift
+done
+case "$init" in
+  auto) if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
+          init=systemd
+        else
+          init=container
+        fi ;;
+  systemd|container) ;;
+  *) die "LIBREYOLO_AGENT_INIT must be auto, systemd or container (got '$init')" 2 ;;
+esac
+
+umask 077
+mkdir -p "$config_dir" "$state_dir"
+# One bootstrap at a time (an on-start hook and a person may race).
+if command -v flock >/dev/null; then
+  exec 9>"$state_dir/bootstrap.lock"
+  flock -n 9 || die "another bootstrap is running (lock $state_dir/bootstrap.lock)"
+fi
+
+# put_file DEST MODE < CONTENT: replace DEST atomically when its content differs.
+# Sets `changed` to 1 when it wrote, leaves it alone otherwise.
+changed=0
+put_file() {
+  local dest="$1" mode="$2" tmp
+  mkdir -p "$(dirname "$dest")"
+  tmp="$(mktemp "$dest.XXXXXX")"
+  cat >"$tmp"
+  chmod "$mode" "$tmp"
+  if [ -f "$dest" ] && cmp -s "$tmp" "$dest"; then
+    rm -f "$tmp"
+    chmod "$mode" "$dest"
+    say "unchanged: $dest"
+    return 0
+  fi
+  mv -f "$tmp" "$dest"
+  changed=1
+  say "wrote $dest (mode $mode)"
+}
+
+# fetch_hf URL DEST: a file of a Hub repo, with the venv's huggingface_hub (HF_TOKEN and
+# HF_ENDPOINT from the environment).
+fetch_hf() {
+  "$venv/bin/python" - "$1" "$2" <<'PY'
+import os
+import shutil
+import sys
+
+url, dest = sys.argv[1], sys.argv[2]
+rest, repo_type = url[len("hf://"):], "model"
+for prefix, kind in (("datasets/", "dataset"), ("spaces/", "space")):
+    if rest.startswith(prefix):
+        rest, repo_type = rest[len(prefix):], kind
+parts = rest.split("/")
+if len(parts) < 3 or not all(parts):
+    sys.exit(f"bootstrap: {url!r} is not hf://[datasets/]org/repo[@revision]/path/to/job.toml")
+repo_id, revision = "/".join(parts[:2]), None
+if "@" in repo_id:
+    repo_id, revision = repo_id.split("@", 1)
+try:
+    from huggingface_hub import hf_hub_download
+
+    path = hf_hub_download(
+        repo_id,
+        "/".join(parts[2:]),
+        repo_type=repo_type,
+        revision=revision,
+        token=os.environ.get("HF_TOKEN") or None,
+    )
+except Exception as exc:  # one readable line; the token is never part of the client's messages
+    sys.exit(f"bootstrap: cannot fetch {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+shutil.copyfile(path, dest)
+PY
+}
+
+run_install() {
+  if [ "$install" = 1 ]; then
+    "$here/install.sh" "$@"
+  elif [ ! -x "$venv/bin/libreyolo-agent" ]; then
+    die "--no-install, but $venv/bin/libreyolo-agent is not there"
+  fi
+}
+
+# ---- HF_HOME on the persistent volume, so downloads survive a restart
+if [ -z "${HF_HOME:-}" ]; then
+  for volume in "${LIBREYOLO_AGENT_VOLUME:-}" /workspace /runpod-volume; do
+    if [ -n "$volume" ] && [ -d "$volume" ] && [ -w "$volume" ]; then
+      export HF_HOME="$volume/.cache/huggingface"
+      break
+    fi
+  done
+fi
+if [ -n "${HF_HOME:-}" ]; then
+  mkdir -p "$HF_HOME"
+  say "HF_HOME=$HF_HOME"
+else
+  say "no persistent volume found: the Hub cache stays in its default place"
+fi
+
+# ---- the job
+if [ -n "$job_arg" ]; then
+  job_from="$job_arg"
+elif [ -n "${LIBREYOLO_AGENT_JOB_TOML:-}" ]; then
+  job_from=""
+else
+  job_from="${LIBREYOLO_AGENT_JOB:-}"
+fi
+if [ -z "$job_from" ] && [ -n "${LIBREYOLO_AGENT_JOB_TOML:-}" ]; then
+  source_desc="LIBREYOLO_AGENT_JOB_TOML"
+  printf '%s\n' "$LIBREYOLO_AGENT_JOB_TOML" | put_file "$job_dest" 600
+elif [[ "$job_from" == hf://* ]]; then
+  source_desc="$job_from"
+  run_install  # the Hub client lives in the venv; the job's extras come below
+  fetched="$(mktemp "$state_dir/job.XXXXXX")"
+  fetch_hf "$job_from" "$fetched" || { rm -f "$fetched"; exit 1; }
+  put_file "$job_dest" 600 <"$fetched"
+  rm -f "$fetched"
+elif [ -n "$job_from" ]; then
+  source_desc="$job_from"
+  [ -r "$job_from" ] || die "cannot read the job file '$job_from'" 2
+  if [ "$(realpath "$job_from")" != "$(realpath -m "$job_dest")" ]; then
+    put_file "$job_dest" 600 <"$job_from"
+  fi
+elif [ -f "$job_dest" ]; then
+  source_desc="the job of an earlier run"
+else
+  die "no job: pass --job PATH|hf://org/repo/job.toml, or set LIBREYOLO_AGENT_JOB_TOML (the TOML) or LIBREYOLO_AGENT_JOB (a path or an hf:// URL)" 2
+fi
+chmod 600 "$job_dest"
+say "job: $job_dest (from $source_desc)"
+
+# ---- install, with the LibreYOLO extras the job needs; then the job is checked
+run_install --job "$job_dest"
+"$venv/bin/libreyolo-agent" check "$job_dest" || die "the job file is not valid (see above)" 2
+
+# ---- start the agent, supervised
+if [ "$init" = systemd ]; then
+  changed=0
+  put_file "$unit_dir/libreyolo-agent.service" 644 <"$here/systemd/libreyolo-agent.service"
+  dropin="$unit_dir/libreyolo-agent.service.d/10-bootstrap.conf"
+  if [ "$venv" != "$unit_venv" ] || [ "$job_dest" != "$unit_job" ] || [ "$state_dir" != "$unit_state" ]; then
+    printf '[Service]\nEnvironment=LIBREYOLO_AGENT_STATE_DIR=%s\nExecStart=\nExecStart=%s run %s\n' \
+      "$state_dir" "$venv/bin/libreyolo-agent" "$job_dest" | put_file "$dropin" 644
+  elif [ -f "$dropin" ]; then
+    rm -f "$dropin"
+    changed=1
+  fi
+  unit_changed="$changed"
+  changed=0
+  for name in "${env_names[@]}"; do
+    value="${!name:-}"
+    [ -n "$value" ] || continue
+    [[ "$value" != *$'\n'* ]] || die "$name holds a line break: not written to $config_dir/env"
+    value="${value//\\/\\\\}"
+    printf '%s="%s"\n' "$name" "${value//\"/\\\"}"
+  done | put_file "$config_dir/env" 600
+  if [ "$unit_changed" = 1 ]; then
+    systemctl daemon-reload
+  fi
+  if systemctl is-active --quiet libreyolo-agent; then
+    say "libreyolo-agent.service is running already"
+    if [ "$changed" = 1 ]; then
+      say "its environment changed: 'systemctl restart libreyolo-agent' applies it"
+    fi
+  fi
+  systemctl enable --now libreyolo-agent
+  say "started: systemctl status libreyolo-agent; journalctl -u libreyolo-agent -f"
+else
+  pid_file="$state_dir/supervisor.pid"
+  running=""
+  if [ -r "$pid_file" ]; then
+    pid="$(tr -cs '0-9' '\n' <"$pid_file" | sed -n '/./{p;q}')"
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+        && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'supervise'; then
+      running="$pid"
+    fi
+  fi
+  if [ -n "$running" ]; then
+    say "the supervisor runs already (pid $running): nothing to start"
+  else
+    log="$state_dir/supervisor.out"
+    launcher=(nohup)
+    if command -v setsid >/dev/null; then
+      launcher=(setsid nohup)
+    fi
+    # Its own session: it outlives this script, the on-start hook and any SSH session. It must
+    # not inherit the bootstrap lock (fd 9), or no later bootstrap could ever run.
+    "${launcher[@]}" "$venv/bin/libreyolo-agent" supervise "$job_dest" >>"$log" 2>&1 </dev/null 9>&- &
+    say "started the supervisor (pid $!): log $log, state $state_dir"
+  fi
+fi
+
+cat <<EOF
+
+Reach it from your own machine through an SSH tunnel (use the box's SSH host and port):
+  ssh -p <port> root@<host> -N -L 8421:127.0.0.1:8421 -L 8420:127.0.0.1:8420
+  curl http://127.0.0.1:8421/status          (or open http://127.0.0.1:8421/ for the dashboard;
+                                               8421 unless the job's server.listen says otherwise)
+  on the box: $venv/bin/libreyolo-agent status --watch
+  the training dashboard: on the box, $venv/bin/libreyolo monitor <run dir> --no-browser, then open
+  http://127.0.0.1:8420 here
+EOF
