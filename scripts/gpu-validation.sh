@@ -15,7 +15,79 @@ now() { date +%s.%N; }
   libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 
-only="${1:-all}"   # all | reattach | issue8 | issue11
+only="${1:-all}"   # all | reattach | issue8 | issue11 | issue14
+
+if [ "$only" = issue14 ]; then
+# Issues 13/14 on the GPU: (1) the install-time torch choice on this box (agent/torchpick.py);
+# (2) LibreYOLO's profiler through agent/profiling.py on the H200, offline, with a checkpoint of
+# the job's family and size; (3) a short agent run whose sizing verdict and projection come from
+# NVML and the trainer tree's CPU (the log line after epoch 1, /status sizing).
+R="$OUT/issue14.txt"; echo "== issue 14: torch choice, profiler on the GPU, sizing verdict" | tee "$R"
+echo "-- (1) python3 -m agent.torchpick" >> "$R"
+python3 -m agent.torchpick >> "$R" 2>&1 || echo "torchpick exit $?" >> "$R"
+python3 -c 'from pathlib import Path; from agent import demo; demo.make_dataset(Path("/tmp/i14/data"), train=64, val=16)'
+libreyolo train model=yolox-n pretrained=false data=/tmp/i14/data/data.yaml epochs=1 imgsz=320 batch=16 \
+  workers=4 device=0 project=/tmp/i14/w name=r json=true > /tmp/i14/w.out 2>&1
+echo "-- (2) profiler on GPU 0 with /tmp/i14/w/r/weights/last.pt (yolox n)" >> "$R"
+HF_HUB_OFFLINE=1 python3 - >> "$R" 2>&1 <<'PY'
+import asyncio, json, os
+from pathlib import Path
+from agent.jobfile import parse_job
+from agent.profiling import run_profile
+job = parse_job("""
+[train]
+model = "/tmp/i14/w/r/weights/last.pt"
+data = "/tmp/i14/data/data.yaml"
+imgsz = 320
+batch = 16
+workers = 4
+device = "0"
+epochs = 40
+[profile]
+enabled = true
+steps = 20
+warmup = 3
+timeout = "4m"
+""", source="gpu", train_options=None)
+r = asyncio.run(run_profile(job, work_dir=Path("/tmp/i14/profile"), cpu_count=os.cpu_count()))
+d = r.to_dict()
+print(json.dumps({k: d[k] for k in ("ran", "message", "img_per_s", "gpu_util_pct", "bound", "seconds", "notes")}, indent=1))
+print("argv:", " ".join(r.argv))
+PY
+echo "-- (3) sizing during a short run (price 3.48 USD/h)" >> "$R"
+D=/tmp/i14/run; mkdir -p $D
+cat > $D/job.toml <<TOML
+[job]
+name = "gpu-i14"
+runs_dir = "$D/runs"
+[train]
+model = "yolox-n"
+pretrained = false
+data = "/tmp/i14/data/data.yaml"
+epochs = 6
+imgsz = 320
+batch = 16
+workers = 4
+device = "0"
+[limits]
+price_usd_per_hour = 3.48
+[preflight]
+enabled = false
+[server]
+listen = "127.0.0.1:0"
+TOML
+export LIBREYOLO_AGENT_STATE_DIR=$D/state
+python3 -m agent.cli run $D/job.toml > $D/agent.log 2>&1; echo "agent exit $?" >> "$R"
+grep -E "sizing:|NVML|job gpu-i14 done" $D/agent.log | cut -c1-260 >> "$R"
+python3 - "$D" >> "$R" <<'PY'
+import json, sys
+from pathlib import Path
+r = json.loads((Path(sys.argv[1]) / "state" / "report.json").read_text())
+print("report headline:", r.get("headline"))
+PY
+cat "$R"
+exit 0
+fi
 
 if [ "$only" = issue11 ]; then
 # Issue 11 on the GPU: (1) a reboot (agent and trainer SIGKILLed, another boot id) resumes from
