@@ -18,6 +18,13 @@ Callers word the advice (a read token for staging, a write token for sync) from 
 ``huggingface_hub`` 1.x builds on ``httpx``, 2.x on ``httpx2`` (the same API under another name):
 :data:`hub_http` is the one the installed version uses, because its exceptions are what a failed
 call raises. Only public ``huggingface_hub`` names are imported.
+
+Memory: ``huggingface_hub`` and its HTTP client (some 25 MiB) are imported on first use, not
+with this module: a supervising agent whose job never talks to the Hub (a ``file://`` sink, a
+local dataset) never loads them. Importing this module checks the installed version from its
+package metadata; :func:`configure` records the timeouts and installs them when the library is
+loaded (at once if it already is). Every Hub call goes through :func:`api` (or the library,
+once something here loaded it), so none runs without the timeouts.
 """
 
 from __future__ import annotations
@@ -29,12 +36,12 @@ import importlib
 import logging
 import math
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-import huggingface_hub
+from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import __version__
 from .config import Env
@@ -82,10 +89,26 @@ def hub_version_supported(version: str) -> bool:
     return have is None or need is None or have >= need
 
 
+def installed_version() -> str:
+    """The version of the ``huggingface_hub`` this process imports (or would): the imported
+    module's own, else its package metadata, without importing it; a package without metadata
+    is imported to ask (ImportError when there is none)."""
+    loaded = sys.modules.get("huggingface_hub")
+    if loaded is not None:
+        return str(loaded.__version__)
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("huggingface_hub")
+    except importlib.metadata.PackageNotFoundError:
+        return str(importlib.import_module("huggingface_hub").__version__)
+
+
 def check_hub_version(installed: str | None = None) -> None:
-    """Raise :class:`HubVersionError` unless ``installed`` (default: the imported
-    ``huggingface_hub``) is recent enough. Importing this module already does it."""
-    version = huggingface_hub.__version__ if installed is None else installed
+    """Raise :class:`HubVersionError` unless ``installed`` (default: the installed
+    ``huggingface_hub``, :func:`installed_version`) is recent enough. Importing this module
+    already does it."""
+    version = installed_version() if installed is None else installed
     if not hub_version_supported(version):
         raise HubVersionError(version)
 
@@ -96,36 +119,91 @@ def http_module_name(hub_version: str) -> str:
     return "httpx" if release is not None and release[0] < 2 else "httpx2"
 
 
-# Before the imports below: an old huggingface_hub lacks some of them, and must be refused with
-# the fix rather than with an ImportError that names a missing function.
+# At import, before anything loads the library: an old huggingface_hub lacks names used below,
+# and must be refused with the fix rather than with an ImportError that names a missing function.
 check_hub_version()
-
-from huggingface_hub import (  # noqa: E402
-    HfApi,
-    close_session,
-    get_session,
-    set_client_factory,
-)
-from huggingface_hub.errors import (  # noqa: E402
-    EntryNotFoundError,
-    FileMetadataError,
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-
-# Public (in huggingface_hub.utils.__all__, built at run time, which mypy cannot read).
-from huggingface_hub.utils import parse_ratelimit_headers  # type: ignore[attr-defined]  # noqa: E402
 
 if TYPE_CHECKING:
     import httpx2 as hub_http
-else:
-    #: The HTTP client module of the installed huggingface_hub (``httpx`` or ``httpx2``).
-    hub_http = importlib.import_module(http_module_name(huggingface_hub.__version__))
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    #: What a failed Hub call raises (see :func:`_load`); a module attribute, loaded on use.
+    CALL_ERRORS: tuple[type[Exception], ...]
+
+#: The library's names this module uses, once :func:`_load` imported them; None before.
+_lib: Any = None
+
+
+def _load() -> Any:
+    """Import ``huggingface_hub`` (once) and the names used here; install the timeouts that
+    :func:`configure` recorded. Every use of the library in this module goes through it."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        import huggingface_hub
+
+        check_hub_version(huggingface_hub.__version__)
+        from huggingface_hub import HfApi, close_session, get_session, set_client_factory
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            FileMetadataError,
+            GatedRepoError,
+            HfHubHTTPError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        # Public (in huggingface_hub.utils.__all__, built at run time, which mypy cannot read).
+        from huggingface_hub.utils import (  # type: ignore[attr-defined]
+            parse_ratelimit_headers,
+        )
+
+        http: ModuleType = importlib.import_module(http_module_name(huggingface_hub.__version__))
+        lib = SimpleNamespace(
+            version=huggingface_hub.__version__,
+            http=http,
+            HfApi=HfApi,
+            close_session=close_session,
+            get_session=get_session,
+            set_client_factory=set_client_factory,
+            EntryNotFoundError=EntryNotFoundError,
+            FileMetadataError=FileMetadataError,
+            GatedRepoError=GatedRepoError,
+            HfHubHTTPError=HfHubHTTPError,
+            HFValidationError=HFValidationError,
+            LocalEntryNotFoundError=LocalEntryNotFoundError,
+            OfflineModeIsEnabled=OfflineModeIsEnabled,
+            RepositoryNotFoundError=RepositoryNotFoundError,
+            RevisionNotFoundError=RevisionNotFoundError,
+            parse_ratelimit_headers=parse_ratelimit_headers,
+            # HTTP errors (HfHubHTTPError is an OSError and an HTTPError of the client), network
+            # errors, local I/O, bad answers, and RuntimeError, which wraps LFS/Xet transfer
+            # errors (:func:`classify` looks at the cause).
+            call_errors=(http.HTTPError, OSError, ValueError, RuntimeError),
+        )
+        global _installed
+        if _wanted is not None and _installed != _wanted:
+            _install_client_factory(lib, *_wanted)
+            _installed = _wanted
+        _lib = lib
+        return lib
+
+
+def __getattr__(name: str) -> Any:
+    """``hub_http`` (the installed library's HTTP client module) and ``CALL_ERRORS``, which
+    need the library: loaded on first use."""
+    if name == "hub_http":
+        return _load().http
+    if name == "CALL_ERRORS":
+        return _load().call_errors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,9 +214,11 @@ HTTP_CONNECT_TIMEOUT_S = 15.0
 #: Seconds the client waits for the next bytes of an answer (or to send the next ones).
 HTTP_TIMEOUT_S = 120.0
 
-_lock = threading.Lock()
-#: ``(connect, read)`` seconds of the installed client factory; None until :func:`configure`.
+_lock = threading.RLock()
+#: ``(connect, read)`` seconds of the installed client factory; None until installed.
 _installed: tuple[float, float] | None = None
+#: ``(connect, read)`` seconds :func:`configure` asked for; installed when the library loads.
+_wanted: tuple[float, float] | None = None
 
 
 def configure(
@@ -152,49 +232,56 @@ def configure(
     Refuses an old ``huggingface_hub`` (:class:`HubVersionError`) and gives the library's shared
     HTTP client ``connect_timeout_s`` to connect and ``timeout_s`` between bytes (2.x has no
     timeout at all by default, 1.x 10 s). Calls that pass their own timeout (downloads do) keep
-    theirs.
+    theirs. The library is not imported for this: the timeouts are installed when it is loaded
+    (the first :func:`api`), or at once when it already is.
     Idempotent: a second call with the same timeouts changes nothing; other timeouts replace the
     client (the shared one is closed, so do it before transfers start). ``env`` only adds the
     endpoint, and whether ``HF_TOKEN`` is set, to the one log line this writes.
     """
-    global _installed
-    check_hub_version()
+    global _wanted, _installed
+    version = installed_version()
+    check_hub_version(version)
     wanted = (connect_timeout_s, timeout_s)
     with _lock:
-        if _installed == wanted:
-            return
-        _install_client_factory(connect_timeout_s, timeout_s)
-        _installed = wanted
+        changed = _wanted != wanted
+        _wanted = wanted
+        # Loaded already (by this module or anyone): install now; else the first use does.
+        if _lib is not None or "huggingface_hub" in sys.modules:
+            lib = _load()
+            if _installed != wanted:
+                _install_client_factory(lib, connect_timeout_s, timeout_s)
+                _installed = wanted
+    if not changed:
+        return
     where = ""
     if env is not None:
         token = "set" if env.hf_token else "not set"
         where = f", endpoint {env.hf_endpoint}, HF_TOKEN {token}"
     log.info(
         "hub: huggingface_hub %s over %s, timeouts %gs to connect, %gs between bytes%s",
-        huggingface_hub.__version__,
-        hub_http.__name__,
+        version,
+        http_module_name(version),
         connect_timeout_s,
         timeout_s,
         where,
     )
 
 
-def _install_client_factory(connect_timeout_s: float, timeout_s: float) -> None:
+def _install_client_factory(lib: Any, connect_timeout_s: float, timeout_s: float) -> None:
     # The library's default factory is private (huggingface_hub.utils._http), but the client it
     # builds is not: build one through the public get_session() and keep its event hooks
     # (HF_HUB_OFFLINE, request ids), so every later client is the library's plus timeouts.
-    close_session()
-    template = get_session()
+    http = lib.http
+    lib.close_session()
+    template = lib.get_session()
     hooks = {name: list(fns) for name, fns in template.event_hooks.items()}
     follow_redirects = template.follow_redirects
-    timeout = hub_http.Timeout(timeout_s, connect=connect_timeout_s)
+    timeout = http.Timeout(timeout_s, connect=connect_timeout_s)
 
-    def client_factory() -> hub_http.Client:
-        return hub_http.Client(
-            event_hooks=hooks, follow_redirects=follow_redirects, timeout=timeout
-        )
+    def client_factory() -> Any:
+        return http.Client(event_hooks=hooks, follow_redirects=follow_redirects, timeout=timeout)
 
-    set_client_factory(client_factory)  # closes the template: the next call builds ours
+    lib.set_client_factory(client_factory)  # closes the template: the next call builds ours
 
 
 def api(env: Env) -> HfApi:
@@ -203,7 +290,8 @@ def api(env: Env) -> HfApi:
     ``token=False`` when ``HF_TOKEN`` is unset: secrets come from the environment only, never
     from a token file that happens to lie on the box (``None`` would read one).
     """
-    return HfApi(
+    hf_api: type[HfApi] = _load().HfApi
+    return hf_api(
         endpoint=env.hf_endpoint,
         token=env.hf_token or False,
         library_name="libreyolo-agent",
@@ -277,11 +365,6 @@ FINAL_5XX = frozenset({501, 505, 511})
 #: OSError numbers of this machine that only a person can fix.
 _LOCAL_FINAL_ERRNO = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
 
-#: What a failed Hub call raises: HTTP errors (HfHubHTTPError is an OSError and an HTTPError of
-#: the client), network errors, local I/O, bad answers, and RuntimeError, which wraps LFS/Xet
-#: transfer errors (:func:`classify` looks at the cause).
-CALL_ERRORS: tuple[type[Exception], ...] = (hub_http.HTTPError, OSError, ValueError, RuntimeError)
-
 #: What stands in for ``HF_TOKEN`` in every message, log line and report.
 REDACTED = "<HF_TOKEN>"
 
@@ -317,23 +400,24 @@ def classify(exc: BaseException, *, token: str | None) -> HubFailure:
     Hub) and ``RuntimeError`` (LFS/Xet transfers) are classified by their ``__cause__``.
     ``token`` is redacted from the detail.
     """
+    lib = _load()
     root = _root_cause(exc)
-    if isinstance(root, HfHubHTTPError):
+    if isinstance(root, lib.HfHubHTTPError):
         return _http_failure(root, token)
-    if isinstance(root, OfflineModeIsEnabled):  # a ConnectionError: before the network's
+    if isinstance(root, lib.OfflineModeIsEnabled):  # a ConnectionError: before the network's
         return _failure("offline", False, root, token)
-    if isinstance(root, hub_http.TransportError | ConnectionError | TimeoutError):
-        if isinstance(root, hub_http.UnsupportedProtocol | hub_http.LocalProtocolError):
+    if isinstance(root, lib.http.TransportError | ConnectionError | TimeoutError):
+        if isinstance(root, lib.http.UnsupportedProtocol | lib.http.LocalProtocolError):
             return _failure("invalid", False, root, token)
         return _failure("unreachable", True, root, token)
-    if isinstance(root, FileMetadataError):
+    if isinstance(root, lib.FileMetadataError):
         return _failure("not_a_hub", False, root, token)
-    if isinstance(root, HFValidationError):
+    if isinstance(root, lib.HFValidationError):
         return _failure("invalid", False, root, token)
-    if isinstance(root, LocalEntryNotFoundError):
+    if isinstance(root, lib.LocalEntryNotFoundError):
         # Not in the download cache and the Hub could not be asked (HEAD failed unexplained).
         return _failure("unreachable", True, root.__cause__ or root, token)
-    if isinstance(root, EntryNotFoundError):
+    if isinstance(root, lib.EntryNotFoundError):
         return _failure("missing_file", False, root, token)
     if isinstance(root, OSError):
         return _failure("local", root.errno not in _LOCAL_FINAL_ERRNO, root, token)
@@ -342,7 +426,9 @@ def classify(exc: BaseException, *, token: str | None) -> HubFailure:
 
 def http_status(exc: BaseException) -> int | None:
     """The status of the Hub's answer when ``exc`` is an HTTP error from it, else None."""
-    return exc.response.status_code if isinstance(exc, HfHubHTTPError) else None
+    if _lib is None and "huggingface_hub" not in sys.modules:
+        return None  # nothing could have raised one
+    return exc.response.status_code if isinstance(exc, _load().HfHubHTTPError) else None
 
 
 def redact(text: str, token: str | None) -> str:
@@ -358,14 +444,15 @@ def redact(text: str, token: str | None) -> str:
 
 def _root_cause(exc: BaseException) -> BaseException:
     """The first error along the ``__cause__`` chain that says what happened."""
+    lib = _load()
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(
             seen,
-            hub_http.HTTPError  # HfHubHTTPError included
-            | OfflineModeIsEnabled
-            | FileMetadataError
-            | HFValidationError
+            lib.http.HTTPError  # HfHubHTTPError included
+            | lib.OfflineModeIsEnabled
+            | lib.FileMetadataError
+            | lib.HFValidationError
             | ConnectionError
             | TimeoutError,
         ):
@@ -387,14 +474,15 @@ def _http_failure(exc: HfHubHTTPError, token: str | None) -> HubFailure:
     server = one_line(redact(exc.server_message or "", token))
     detail = f"HTTP {status}" + (f" ({server})" if server else "")
     kind: HubErrorKind
+    lib = _load()
     # Typed errors first: the library reads the Hub's X-Error-Code for them.
-    if isinstance(exc, GatedRepoError):
+    if isinstance(exc, lib.GatedRepoError):
         kind = "gated"
-    elif isinstance(exc, RepositoryNotFoundError):
+    elif isinstance(exc, lib.RepositoryNotFoundError):
         kind = "missing_repo"
-    elif isinstance(exc, RevisionNotFoundError):
+    elif isinstance(exc, lib.RevisionNotFoundError):
         kind = "missing_revision"
-    elif isinstance(exc, EntryNotFoundError):
+    elif isinstance(exc, lib.EntryNotFoundError):
         kind = "missing_file"
     elif status == 401:
         kind = "unauthorized"
@@ -425,7 +513,7 @@ def _retry_after_s(headers: hub_http.Headers, status: int) -> float | None:
             when = email.utils.parsedate_to_datetime(value)
             return max(0.0, when.timestamp() - time.time())
     if status == 429:
-        info = parse_ratelimit_headers(headers)
+        info = _load().parse_ratelimit_headers(headers)
         if info is not None and info.remaining == 0:
             return float(info.reset_in_seconds)
     return None
