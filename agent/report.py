@@ -81,6 +81,7 @@ def build(
         "checkpoints": checkpoints,
         "other_files": others,
         "money": dict(status_doc.get("money") or {}),
+        "sizing": dict(status_doc.get("sizing") or {}),
         "teardown": state.teardown,
         "steering": list(state.steering),
         "extended_s": state.extended_s,
@@ -294,6 +295,8 @@ def markdown(report: Mapping[str, Any]) -> str:
     out += _checkpoints_md(report)
     out += ["", "## Money", ""]
     out += _money_md(report.get("money") or {})
+    out += ["", "## Was it the right box?", ""]
+    out += _sizing_md(report.get("sizing") or {})
     out += ["", "## Teardown", ""]
     out += _teardown_md(report.get("teardown"))
     steering = report.get("steering") or []
@@ -390,6 +393,22 @@ def _money_md(m: Mapping[str, Any]) -> list[str]:
     if m.get("stopped_usd_per_hour") is not None:
         lines.append(f"- a stopped box costs {usd(m['stopped_usd_per_hour'])}/h (its disk)")
     return lines
+
+
+def _sizing_md(sz: Mapping[str, Any]) -> list[str]:
+    """The bottleneck verdict and the projection (agent/sizing.py), as measured."""
+    verdict, projection, profile = sz.get("verdict"), sz.get("projection"), sz.get("profile")
+    lines: list[str] = []
+    if isinstance(verdict, Mapping):
+        lines.append(f"- verdict: {verdict.get('bound')} ({verdict.get('detail') or '-'})")
+    if isinstance(projection, Mapping) and projection.get("total_s") is not None:
+        lines.append(
+            f"- projected: {format_duration(float(projection['total_s']))} of training, "
+            f"{usd(projection.get('total_usd'))} in all"
+        )
+    if isinstance(profile, Mapping):
+        lines.append(f"- profiler: {profile.get('message') or '-'}")
+    return lines or ["not measured"]
 
 
 def _teardown_md(td: Any) -> list[str]:

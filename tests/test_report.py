@@ -232,3 +232,22 @@ def test_ledger_entries_as_dicts_give_the_same_checkpoints() -> None:
 
     as_dicts = report.build(synthetic_state(), status_doc(), [asdict(e) for e in LEDGER], [], [])
     assert as_dicts["checkpoints"] == make()["checkpoints"]
+
+
+def test_the_sizing_verdict_and_projection_are_part_of_the_story() -> None:
+    doc = status_doc()
+    doc["sizing"] = {
+        "verdict": {"bound": "dataloader", "detail": "GPU 38 %, 16/16 CPUs busy"},
+        "projection": {"total_s": 25920.0, "remaining_s": 0.0, "total_usd": 25.07},
+        "profile": {"message": "cannot profile: no weights file"},
+    }
+    doc_report = report.build(synthetic_state(), doc, [], [], [])
+    assert doc_report["sizing"]["verdict"]["bound"] == "dataloader"
+    md = report.markdown(doc_report)
+    assert "## Was it the right box?" in md
+    assert "- verdict: dataloader (GPU 38 %, 16/16 CPUs busy)" in md
+    assert "- projected: 7h12m of training, $25.07 in all" in md
+    assert "- profiler: cannot profile: no weights file" in md
+    assert "not measured" in report.markdown(
+        report.build(synthetic_state(), status_doc(), [], [], [])
+    )
