@@ -42,12 +42,12 @@ REPO = "test-org/run1"
 GOOD_TOKEN = "hf_good_token"
 
 
-@pytest.fixture(scope="module")
 def is_report(remote_path: str) -> bool:
     """The post-mortem (agent/report.json, report.md), uploaded after FINISHING's verification."""
     return remote_path in ("agent/report.json", "agent/report.md")
 
 
+@pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return demo.make_dataset(tmp_path_factory.mktemp("data") / "ds")
 
@@ -335,10 +335,11 @@ def test_hub_down_for_the_whole_run_never_blocks_training_and_blocks_destroy(
     assert errors and all("HTTP 503" in e for e in errors), errors
 
     # Both upload slots were still hanging when the agent ended, and no upload started after
-    # that: closing the sync engine stops its worker.
+    # that: closing the sync engine stops its worker. (Up to 2 more hung commits: the
+    # post-mortem's report.json and report.md are sent, bounded, before the teardown call.)
     join_sync_threads(threads)
     hung = [r for r in hub.requests if r.route == "commit" and r.end - r.start >= 7.5]
-    assert len(hung) == 2, hung
+    assert 2 <= len(hung) <= 4, hung
     late = [
         r for r in hub.requests if r.route == "preupload" and r.start > max(h.start for h in hung)
     ]
