@@ -52,12 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
-
 from .config import LimitsSection, format_duration
 from .gpuhealth import GpuMonitor, GpuSample
 from .rundir import RunStatus
-from .trainer import process_tree
+from .trainer import tree_cpu_seconds
 
 #: Signals that show the run moving forward.
 ProgressSignal = Literal["status", "checkpoint", "log"]
@@ -230,15 +228,7 @@ class ProgressTracker:
         self._files = seen
 
     def _observe_cpu(self, pids: Collection[int], now: float) -> None:
-        current: dict[tuple[int, float], float] = {}
-        for pid in pids:
-            for proc in process_tree(pid):
-                try:
-                    key = (proc.pid, proc.create_time())
-                    t = proc.cpu_times()
-                except psutil.Error:
-                    continue  # gone since the listing, or a zombie
-                current[key] = t.user + t.system
+        current = tree_cpu_seconds(pids)
         # Per process, so that one exiting (and its CPU time vanishing from the sum) is no
         # negative; a process new since the previous observation counts all its CPU time.
         used = sum(cpu - self._cpu.get(key, 0.0) for key, cpu in current.items())

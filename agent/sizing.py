@@ -40,7 +40,7 @@ import psutil
 from .config import Job, ProfileSection, format_duration
 from .gpuhealth import GpuSample
 from .rundir import RunStatus
-from .trainer import process_tree
+from .trainer import tree_cpu_seconds
 
 #: What limits the training speed (LibreYOLO's profiler says ``compute`` for ``gpu``).
 Bound = Literal["gpu", "dataloader", "host / launch", "idle gpu", "unknown"]
@@ -181,15 +181,7 @@ class TreeCpu:
 
     def total(self, pids: Collection[int]) -> float:
         """The CPU seconds the trees of ``pids`` used since the first call (blocking: psutil)."""
-        current: dict[tuple[int, float], float] = {}
-        for pid in pids:
-            for proc in process_tree(pid):
-                try:
-                    key = (proc.pid, proc.create_time())
-                    t = proc.cpu_times()
-                except psutil.Error:
-                    continue  # gone since the listing, or a zombie
-                current[key] = t.user + t.system
+        current = tree_cpu_seconds(pids)
         self._total += sum(max(0.0, cpu - self._seen.get(key, 0.0)) for key, cpu in current.items())
         self._seen = current
         self.processes = len(current)

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -267,6 +267,22 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return [root]
+
+
+def tree_cpu_seconds(pids: Collection[int]) -> dict[tuple[int, float], float]:
+    """CPU seconds (user + system) of every process in the trees of ``pids``, keyed by pid and
+    create time, so that a caller can count per process: one that exits (a dataloader worker)
+    must not make a sum go down. Blocking (psutil)."""
+    current: dict[tuple[int, float], float] = {}
+    for pid in pids:
+        for proc in process_tree(pid):
+            try:
+                key = (proc.pid, proc.create_time())
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue  # gone since the listing, or a zombie
+            current[key] = t.user + t.system
+    return current
 
 
 def _signal_all(procs: dict[tuple[int, float], psutil.Process], sig: int) -> int:
