@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.config import Env, Job
 from agent.daemon import Daemon
-from agent.jobfile import parse_job
 from agent.ledger import LedgerStatus
 from agent.resume import valid_checkpoint
 from agent.sinks import RemoteFile, sha256_file
@@ -58,6 +57,7 @@ from agent.state import TrainerRecord
 from agent.trainer import ProcessLauncher, TrainerProcess
 from tests.fakes.metadata import FakeGCE, FakeIMDS, run_fake_gce, run_fake_imds
 from tests.fakes.scripted_trainer import read_checkpoint_epoch
+from tests.support import tiny_job
 
 SCRIPTED = Path(__file__).resolve().parents[1] / "tests" / "fakes" / "scripted_trainer.py"
 LAST = "weights/last.pt"
@@ -160,30 +160,11 @@ class ScriptedLauncher(ProcessLauncher):
 
 
 def make_job(tmp: Path, source: str, url: str) -> Job:
+    """The tests' tiny job (tests/support.py): last.pt goes up only on the notice."""
     data = tmp / "data.yaml"
     (tmp / "images").mkdir(parents=True, exist_ok=True)
     data.write_text("train: images\nval: images\nnames:\n  0: box\n")
-    text = f"""
-[job]
-name = "run1"
-runs_dir = "{tmp / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{data}"
-epochs = {EPOCHS}
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-stop_grace = "30s"
-kill_grace = "5s"
-[preflight]
-enabled = false
-[dataset]
-doctor = false
-[server]
-listen = "127.0.0.1:0"
+    sections = f"""
 [sync]
 target = "file://{tmp / "target"}"
 every_epochs = 1000
@@ -193,7 +174,7 @@ gcp = {"true" if source == "gcp" else "false"}
 {source}_url = "{url}"
 poll_interval = "1s"
 """
-    return parse_job(text, source="bench", base_dir=tmp)
+    return tiny_job(tmp, data, epochs=EPOCHS, sections=sections)
 
 
 # --------------------------------------------------------------------------------------------

@@ -503,37 +503,14 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
 
 
 def scripted_job(tmp: Path, epochs: int) -> Any:
-    from agent.jobfile import parse_job
+    """The tests' tiny job (tests/support.py), synced to a folder every epoch."""
+    from tests.support import tiny_job
 
     data = tmp / "data.yaml"
     (tmp / "images").mkdir(parents=True, exist_ok=True)
     data.write_text("train: images\nval: images\nnames:\n  0: box\n")
-    text = f"""
-[job]
-name = "run1"
-runs_dir = "{tmp / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{data}"
-epochs = {epochs}
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-[preflight]
-enabled = false
-[dataset]
-doctor = false
-[server]
-listen = "127.0.0.1:0"
-[sync]
-target = "file://{tmp / "target"}"
-every_epochs = 1
-[teardown]
-provider = "none"
-"""
-    return parse_job(text, source="bench", base_dir=tmp)
+    sections = f'[sync]\ntarget = "file://{tmp / "target"}"\nevery_epochs = 1\n'
+    return tiny_job(tmp, data, epochs=epochs, sections=sections)
 
 
 @dataclass

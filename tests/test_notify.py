@@ -22,6 +22,7 @@ from agent.config import DEFAULT_NOTIFY_EVENTS, NotifySection
 from agent.events import Event, EventBus
 from agent.notify import REDACTED, Notifier, Retry, notice_text
 from tests.support import wait_for
+from tests.test_daemon_loop import PricedProvider
 
 #: A Slack-like path: the token is part of the URL, so the URL is a secret.
 HOOK_PATH = "/services/T0FAKE/B0FAKE/xoxFAKEwebhookTOKEN0123456789"
@@ -510,37 +511,17 @@ def test_the_section_never_shows_its_url() -> None:
 # A whole run, through the daemon
 
 
-class RecordingProvider:
+class RecordingProvider(PricedProvider):
     """Records, for each teardown call, how many notices the receiver had already got."""
 
-    name = "none"
-    can_stop = True
-
     def __init__(self, receiver: Receiver) -> None:
+        super().__init__(price=0.0)
         self.receiver = receiver
         self.calls: list[tuple[str, list[str]]] = []
 
-    async def identify(self) -> Any:
-        from agent.providers import Identity
-
-        return Identity("none", None, "none", None, "no provider", None)
-
     async def teardown(self, action: str, reason: str, *, on_sent: Any = None) -> Any:
-        from agent.providers import TeardownResult
-
         self.calls.append((action, self.receiver.kinds()))
-        if on_sent is not None:
-            on_sent(f"{action} sent")
-        return TeardownResult(action, True, True, f"{action} confirmed")  # type: ignore[arg-type]
-
-    async def confirm(self, action: str) -> Any:
-        raise AssertionError("nothing was sent before")
-
-    async def read_back(self, action: str) -> Any:
-        return None
-
-    async def price_usd_per_hour(self) -> float | None:
-        return None
+        return await super().teardown(action, reason, on_sent=on_sent)
 
 
 def test_whole_run_notifies_in_order_including_a_downgrade(
