@@ -16,14 +16,13 @@ import contextlib
 import dataclasses
 import logging
 import re
-import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .rundir import is_valid_checkpoint
-from .sinks import sha256_file
+from .sinks import DIGESTS, copy_hashing, sha256_file
 from .text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
@@ -48,11 +47,10 @@ class Snapshot:
 
 class Snapshotter:
     """Copies live files to stable snapshots at the safe moment. ``copy`` is the one call that
-    writes to the snapshot folder (tests inject a full disk there)."""
+    writes to the snapshot folder (tests inject a full disk there); when it returns the copied
+    bytes' sha256 (the default does, in the same pass) the snapshot is not read again to hash."""
 
-    def __init__(
-        self, root: Path, *, copy: Callable[[Path, Path], object] = shutil.copyfile
-    ) -> None:
+    def __init__(self, root: Path, *, copy: Callable[[Path, Path], object] = copy_hashing) -> None:
         self.root = root
         self.copy = copy
         self._seq: int | None = None
@@ -89,7 +87,7 @@ class Snapshotter:
         tmp = dst.with_name(dst.name + ".tmp")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.copy(src, tmp)
+            copied = self.copy(src, tmp)
             after = src.stat()
         except OSError as exc:
             unlink_quietly(tmp)
@@ -111,8 +109,14 @@ class Snapshotter:
             unlink_quietly(tmp)
             return None
         try:
+            digest = copied if isinstance(copied, str) else sha256_file(tmp)
             tmp.replace(dst)
-            return Snapshot(dst, sha256_file(dst), dst.stat().st_size, after.st_mtime_ns)
+            st = dst.stat()
+            # This version of the source is hashed now: the final sync's "did it change?" and
+            # the pruner's "is it verified?" need not read it again.
+            DIGESTS.remember(after, digest)
+            DIGESTS.remember(st, digest)
+            return Snapshot(dst, digest, st.st_size, after.st_mtime_ns)
         except OSError as exc:
             log.warning("snapshot of %s skipped: %s", src.name, os_error(exc))
             unlink_quietly(tmp)
@@ -140,7 +144,7 @@ def live_snapshot(src: Path, *, checkpoint: bool) -> Snapshot | None:
         if checkpoint and not is_valid_checkpoint(src):
             log.warning("%s not used: not a valid zip archive (torn write?)", src.name)
             return None
-        digest = sha256_file(src)
+        digest = DIGESTS.lookup(before) or sha256_file(src)
         after = src.stat()
     except OSError as exc:
         log.warning("%s not used: %s", src.name, os_error(exc))
@@ -148,6 +152,7 @@ def live_snapshot(src: Path, *, checkpoint: bool) -> Snapshot | None:
     if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
         log.warning("%s not used: it changed while being hashed", src.name)
         return None
+    DIGESTS.remember(after, digest)
     return Snapshot(src, digest, after.st_size, after.st_mtime_ns, live=True)
 
 
@@ -168,7 +173,7 @@ def find_leftover(
 def has_content(path: Path, sha256: str, size: int) -> bool:
     """True when ``path`` holds exactly this content (size first: no hashing on a mismatch)."""
     try:
-        return path.stat().st_size == size and sha256_file(path) == sha256
+        return path.stat().st_size == size and DIGESTS.sha256(path) == sha256
     except OSError:
         return False
 

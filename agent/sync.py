@@ -29,7 +29,7 @@ from .config import SyncSection
 from .crashpoints import crashpoint
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
 from .rundir import SMALL_FILES, RunStatus, epoch_snapshots
-from .sinks import RemoteFile, Sink, SinkError, sha256_file
+from .sinks import DIGESTS, RemoteFile, Sink, SinkError
 from .snapshots import (
     Snapshot,
     Snapshotter,
@@ -245,7 +245,7 @@ class SyncEngine:
         try:
             if path.stat().st_size != entry.size:
                 return False
-            return sha256_file(path) == entry.sha256
+            return DIGESTS.sha256(path) == entry.sha256
         except OSError:
             return False
 

@@ -4,11 +4,18 @@ changing checkpoint is never copied; every snapshot gets a name of its own, neve
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path, PosixPath
 
-from agent.sinks import sha256_file
-from agent.snapshots import Snapshotter
+from agent.sinks import DIGESTS, copy_hashing, sha256_file
+from agent.sinks.local import LocalSink
+from agent.snapshots import Snapshotter, has_content
 from tests.fakes.scripted_trainer import write_checkpoint
+
+
+def checkpoint(path: Path, epoch: int = 3) -> Path:
+    write_checkpoint(path, epoch)
+    return path
 
 
 def test_snapshot_of_a_valid_checkpoint(tmp_path: Path) -> None:
@@ -79,3 +86,79 @@ def test_new_snapshots_never_overwrite_a_leftover_one(tmp_path: Path) -> None:
     taken = Snapshotter(snapshots).take(src, checkpoint=True)
     assert taken is not None and taken.path.name == "000008-last.pt"
     assert (snapshots / "000001-last.pt").read_bytes() == b"a killed agent's pending snapshot"
+
+
+# ---- one read per checkpoint version (issue 15) --------------------------------------------
+
+
+def test_copy_hashing_copies_and_hashes_in_one_pass(tmp_path: Path) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(3 * (1 << 20) + 123))  # not a multiple of the chunk
+    dst = tmp_path / "copy.bin"
+    assert copy_hashing(src, dst) == sha256_file(src)
+    assert dst.read_bytes() == src.read_bytes()
+
+
+def test_a_snapshotted_version_is_not_hashed_again(tmp_path: Path) -> None:
+    src = checkpoint(tmp_path / "last.pt")
+    snap = Snapshotter(tmp_path / "snaps").take(src, checkpoint=True)
+    assert snap is not None and snap.sha256 == sha256_file(src)
+    misses = DIGESTS.misses
+    # The final sync's question "is the live file still what was uploaded?" needs no read.
+    assert has_content(src, snap.sha256, snap.size)
+    assert has_content(snap.path, snap.sha256, snap.size)
+    assert DIGESTS.misses == misses
+
+
+def test_a_rewrite_with_the_same_size_and_mtime_is_hashed_anew(tmp_path: Path) -> None:
+    """The trainer rewrites last.pt in place; even a same-size rewrite whose mtime is set back
+    changes the ctime, so the remembered digest is never taken for the new content."""
+    src = checkpoint(tmp_path / "last.pt")
+    snap = Snapshotter(tmp_path / "snaps").take(src, checkpoint=True)
+    assert snap is not None
+    st = src.stat()
+    data = bytearray(src.read_bytes())
+    data[-30] ^= 0xFF
+    time.sleep(0.01)
+    src.write_bytes(bytes(data))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert src.stat().st_size == snap.size and src.stat().st_mtime_ns == snap.mtime_ns
+    assert not has_content(src, snap.sha256, snap.size)
+    assert has_content(src, sha256_file(src), snap.size)
+
+
+def test_local_target_read_back_uses_the_digest_of_the_bytes_written(tmp_path: Path) -> None:
+    src = checkpoint(tmp_path / "last.pt")
+    sink = LocalSink(tmp_path / "target")
+    sink.upload(src, "weights/last.pt")
+    misses = DIGESTS.misses
+    remote = sink.stat("weights/last.pt")
+    assert remote is not None and remote.sha256 == sha256_file(src)
+    assert DIGESTS.misses == misses
+    # Something else changes the stored copy: the read-back reads it and sees it.
+    stored = tmp_path / "target" / "weights" / "last.pt"
+    time.sleep(0.01)
+    stored.write_bytes(b"PK garbage" + b"\0" * (remote.size - 10))
+    changed = sink.stat("weights/last.pt")
+    assert changed is not None and changed.size == remote.size
+    assert changed.sha256 == sha256_file(stored) != remote.sha256
+
+
+def test_hub_upload_is_handed_the_snapshot_digest(tmp_path: Path) -> None:
+    from huggingface_hub import CommitOperationAdd
+
+    from agent.sinks.hf import _give_known_digest
+
+    src = checkpoint(tmp_path / "last.pt")
+    snap = Snapshotter(tmp_path / "snaps").take(src, checkpoint=True)
+    assert snap is not None
+    op = CommitOperationAdd(path_in_repo="weights/last.pt", path_or_fileobj=str(snap.path))
+    assert not op.upload_info.is_hashed  # the client would read the whole file to hash it
+    _give_known_digest(op, snap.path)
+    assert op.upload_info.is_hashed and op.upload_info.sha256.hex() == snap.sha256
+    # A file this process never hashed is left to the client.
+    other = checkpoint(tmp_path / "other.pt")
+    op2 = CommitOperationAdd(path_in_repo="weights/other.pt", path_or_fileobj=str(other))
+    _give_known_digest(op2, other)
+    assert not op2.upload_info.is_hashed
+    assert op2.upload_info.sha256.hex() == sha256_file(other)

@@ -9,6 +9,9 @@ uploads of the same path can never overlap.
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -59,11 +62,85 @@ class Sink(Protocol):
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time)."""
+    """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time into one buffer)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+class Digests:
+    """sha256 of files by identity (device, inode, size, mtime_ns, ctime_ns): each version of a
+    checkpoint is read and hashed once - by the snapshot's copy - and its later checks (the
+    final sync's "did it change?", the local target's read-back, the disk pruner's "is this one
+    verified?") find the digest here instead of reading hundreds of MB again. Any write to a
+    file changes its ctime, which the writer cannot set back: a changed file is hashed anew.
+    Thread-safe; the oldest of ``limit`` entries is forgotten first."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._known: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def identity(st: os.stat_result) -> tuple[int, ...]:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def remember(self, st: os.stat_result, digest: str) -> None:
+        key = self.identity(st)
+        with self._lock:
+            self._known[key] = digest
+            self._known.move_to_end(key)
+            while len(self._known) > self._limit:
+                self._known.popitem(last=False)
+
+    def lookup(self, st: os.stat_result) -> str | None:
+        with self._lock:
+            digest = self._known.get(self.identity(st))
+            if digest is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+            return digest
+
+    def sha256(self, path: Path) -> str:
+        """The file's sha256, from memory when this version of it was hashed before. Raises
+        OSError like :func:`sha256_file`."""
+        before = os.stat(path)
+        known = self.lookup(before)
+        if known is not None:
+            return known
+        digest = sha256_file(path)
+        if self.identity(os.stat(path)) == self.identity(before):
+            self.remember(before, digest)
+        return digest
+
+    def clear(self) -> None:
+        with self._lock:
+            self._known.clear()
+
+
+#: The process's one digest memory (snapshots, sinks and the pruner share it).
+DIGESTS = Digests()
+
+
+def copy_hashing(src: Path, dst: Path, chunk: int = 1 << 20) -> str:
+    """Copy ``src`` to ``dst`` and return the sha256 of the bytes copied: one read of the
+    source instead of a copy and a second read to hash (a checkpoint is hundreds of MB)."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as f, open(dst, "wb", buffering=0) as out:
+        while n := f.readinto(buf):
+            block = view[:n]
             h.update(block)
+            while block:
+                written = out.write(block)
+                block = block[written:]
     return h.hexdigest()
 
 

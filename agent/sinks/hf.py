@@ -33,11 +33,17 @@ import hashlib
 import logging
 from pathlib import Path
 
-from huggingface_hub import RepoFile, get_session, hf_hub_url, hf_raise_for_status
+from huggingface_hub import (
+    CommitOperationAdd,
+    RepoFile,
+    get_session,
+    hf_hub_url,
+    hf_raise_for_status,
+)
 
 from .. import __version__, hub
 from ..config import Env
-from . import RemoteFile, SinkError, check_download
+from . import DIGESTS, RemoteFile, SinkError, check_download
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +84,14 @@ class HubSink:
         if not local.is_file():
             raise SinkError(f"upload of {path} to {self.description}: {local} is not a file")
         try:
-            info = self._api.upload_file(
-                path_or_fileobj=str(local),
-                path_in_repo=path,
-                repo_id=self.repo_id,
+            op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
+            _give_known_digest(op, local)
+            info = self._api.create_commit(
+                self.repo_id,
+                operations=[op],
+                commit_message=f"libreyolo-agent: upload {path}",
                 repo_type="model",
                 revision=self.revision,
-                commit_message=f"libreyolo-agent: upload {path}",
             )
         except hub.CALL_ERRORS as exc:
             raise self._error(f"upload of {path} to {self.description}", exc) from exc
@@ -226,3 +233,21 @@ def _repo_exists_after_refused_create(exc: ValueError) -> bool:
             return status in (401, 402, 403)
         seen = seen.__context__
     return False
+
+
+def _give_known_digest(op: CommitOperationAdd, local: Path) -> None:
+    """Hand the client the sha256 the snapshot already computed, so that the upload does not
+    read a multi-GB checkpoint once more only to hash it (the LFS batch request and the commit
+    need it). Only where the client hashes lazily (``UploadInfo.is_hashed``, ``huggingface_hub``
+    2.x) and only for this exact version of the file (:data:`agent.sinks.DIGESTS`); older
+    clients hashed it already when ``op`` was built, and nothing changes for them."""
+    info = op.upload_info
+    if getattr(info, "is_hashed", True):
+        return
+    try:
+        st = local.stat()
+    except OSError:
+        return
+    known = DIGESTS.lookup(st)
+    if known is not None and st.st_size == info.size:
+        info.sha256 = bytes.fromhex(known)

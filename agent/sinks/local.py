@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from . import RemoteFile, SinkError, check_download, sha256_file
+from . import DIGESTS, RemoteFile, SinkError, check_download, copy_hashing
 
 
 class LocalSink:
@@ -31,10 +31,13 @@ class LocalSink:
         tmp = target.with_name(f".{target.name}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, tmp)
+            digest = copy_hashing(local, tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
+            # The bytes written are the bytes hashed: the read-back (stat) finds this digest
+            # unless something else touched the file since.
+            DIGESTS.remember(target.stat(), digest)
         except OSError as exc:
             raise SinkError(f"copy to {target} failed: {exc.strerror or exc}") from exc
 
@@ -42,7 +45,7 @@ class LocalSink:
         target = self._target(remote_path)
         try:
             size = target.stat().st_size
-            return RemoteFile(remote_path, size, sha256_file(target))
+            return RemoteFile(remote_path, size, DIGESTS.sha256(target))
         except FileNotFoundError:
             return None
         except OSError as exc:
