@@ -321,18 +321,32 @@ class Daemon(TrainingMixin, ControlMixin):
             assert self.state.reason is not None
             return await self._teardown_phase(self.state.reason, resumed=True)
         if start == Phase.PREFLIGHT:
+            staged: asyncio.Task[bool] | None = None
             if self.job.preflight.enabled:
                 transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT
                 self._save()
-                if not await self._preflight():
+                # Billed seconds: the dataset (download, data YAML, doctor) is staged while the
+                # GPU probe runs, once the disk and the Hub checks have passed.
+                may_stage = asyncio.Event()
+                staged = asyncio.create_task(self._staging(after=may_stage))
+                try:
+                    passed = await self._preflight(may_stage)
+                finally:
+                    if not may_stage.is_set():
+                        staged.cancel()
+                if not passed:
+                    await _abandon(staged)
                     await self._sync_reports()
                     return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
+                may_stage.set()
             if self.flags.shutdown.is_set():
+                if staged is not None:
+                    await _abandon(staged)
                 return 0
             transition(self.state, Phase.STAGING)  # PREFLIGHT -> STAGING
             self._save()
             crashpoint("staging")
-            if not await self._staging():
+            if not await (staged if staged is not None else self._staging()):
                 await self._sync_reports()
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             wrong_box = await self._profile_gate()
@@ -368,18 +382,30 @@ class Daemon(TrainingMixin, ControlMixin):
         assert self.state.reason is not None
         return await self._teardown_phase(self.state.reason)
 
-    async def _preflight(self) -> bool:
+    async def _preflight(self, may_stage: asyncio.Event) -> bool:
         from . import preflight
 
-        report, cause = await preflight.run_and_log(self.job, self.env)
+        def storage_checked(ok: bool) -> None:
+            if ok:
+                log.info(
+                    "disk and Hub checks passed: the dataset is staged and checked while "
+                    "the GPU probe runs"
+                )
+                may_stage.set()
+
+        report, cause = await preflight.run_and_log(
+            self.job, self.env, on_storage_checked=storage_checked
+        )
         self.preflight_report = report.to_dict()
         self.store.write_report("preflight.json", self.preflight_report)
         if cause is not None:
             self.state.cause = cause
         return cause is None
 
-    async def _staging(self) -> bool:
+    async def _staging(self, *, after: asyncio.Event | None = None) -> bool:
         assert self.flags is not None
+        if after is not None:
+            await after.wait()
         outcome = await staging.stage(
             self.job,
             self.env,
@@ -605,3 +631,12 @@ class Daemon(TrainingMixin, ControlMixin):
             if self.state_write_error is not None:
                 log.info("state.json written again")
             self.state_write_error = None
+
+
+async def _abandon(task: asyncio.Task[bool]) -> None:
+    """Stop waiting for a staging that is no longer wanted (a failed preflight, an agent
+    exiting). A download already running in its thread cannot be interrupted: it ends on its
+    own and its result is dropped; staging is idempotent, so a later run reuses or redoes it."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from agent.config import Env, Job
 from agent.preflight.cloud import provider_check
@@ -66,6 +67,7 @@ from agent.preflight.host import (
     cgroup_limits,
     checkpoint_estimate,
     default_hf_home,
+    disk_checks,
     disk_needs,
     evaluate_cpu,
     evaluate_disk,
@@ -74,7 +76,7 @@ from agent.preflight.host import (
     evaluate_shm,
     find_volumes,
     fs_usage,
-    host_checks,
+    machine_checks,
     mount_of,
     read_mounts,
     unpack_factor,
@@ -181,6 +183,7 @@ async def run_preflight(
     *,
     python: str = sys.executable,
     extra_pythonpath: list[str] | None = None,
+    on_storage_checked: Callable[[bool], object] | None = None,
 ) -> PreflightReport:
     """Run every check and return the report; never raises for a problem of the machine.
 
@@ -189,6 +192,9 @@ async def run_preflight(
     that will train); ``extra_pythonpath`` goes first on the probe's import path (tests put a
     stand-in ``torch`` there). The probe gets ``job.preflight.timeout_s``; the Hub and the driver
     query run meanwhile, so the whole run takes about as long as the probe.
+
+    ``on_storage_checked(ok)`` is called as soon as the disk and Hub checks are known (the probe
+    still running): ``ok`` says none of them failed, so the dataset may be staged meanwhile.
     """
     t0 = time.monotonic()
     plan = plan_for(job)
@@ -197,17 +203,22 @@ async def run_preflight(
             run_probe(python, probe_config(plan), plan.timeout_s, list(extra_pythonpath or []))
         )
         driver_task = tg.create_task(read_driver(min(DRIVER_TIMEOUT_S, plan.timeout_s)))
-        hub_task = tg.create_task(hub_facts(plan, env, min(HUB_TIMEOUT_S, plan.timeout_s)))
         cloud_task = tg.create_task(provider_check(job, env, plan.timeout_s))
+        # The Hub's answer and the disk come long before the probe's (torch import, CUDA
+        # context, matmul): the dataset may start downloading now, while the probe runs.
+        hub = await hub_facts(plan, env, min(HUB_TIMEOUT_S, plan.timeout_s))
+        disk = await asyncio.to_thread(disk_checks, plan, env, hub.dataset_size)
+        remote = hub_checks(plan, env, hub)
+        if on_storage_checked is not None:
+            on_storage_checked(all(c.status != FAIL for c in (*disk, *remote)))
     probe = probe_task.result()
-    hub = hub_task.result()
 
     checks = probe_checks(probe, plan, driver_task.result())
     doc = probe.doc or {}
     visible = int(doc.get("cuda", {}).get("device_count") or 0)
     ranks = plan.ranks(visible)
-    checks += host_checks(plan, env, hub.dataset_size, ranks)
-    checks += hub_checks(plan, env, hub)
+    checks += disk + machine_checks(plan, ranks)
+    checks += remote
     cloud = cloud_task.result()
     if cloud is not None:
         checks.append(cloud)
@@ -223,10 +234,12 @@ async def run_preflight(
     return report
 
 
-async def run_and_log(job: Job, env: Env) -> tuple[PreflightReport, str | None]:
+async def run_and_log(
+    job: Job, env: Env, *, on_storage_checked: Callable[[bool], object] | None = None
+) -> tuple[PreflightReport, str | None]:
     """The PREFLIGHT phase: run the checks, log every warning with its fix and the verdict.
     Returns the report and, when it failed, the one-line cause for the run's record."""
-    report = await run_preflight(job, env)
+    report = await run_preflight(job, env, on_storage_checked=on_storage_checked)
     for check in report.warnings():
         fix = f" (fix: {check.fix})" if check.fix else ""
         phase_log.warning("preflight warning: %s: %s%s", check.name, check.value, fix)

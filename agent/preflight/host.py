@@ -57,12 +57,10 @@ RAM_PER_RANK_BYTES = 2 * GiB
 RAM_PER_WORKER_BYTES = GiB // 2
 
 
-def host_checks(plan: Plan, env: Env, dataset_bytes: int | None, ranks: int) -> list[Check]:
-    """Disk for every location the job writes to, ``HF_HOME``'s volume, shm, RAM and CPUs.
-
-    ``dataset_bytes``: the dataset archive's size from the Hub (None: unknown or no dataset);
-    ``ranks``: the training processes, one per GPU used.
-    """
+def disk_checks(plan: Plan, env: Env, dataset_bytes: int | None) -> list[Check]:
+    """Disk for every location the job writes to and ``HF_HOME``'s volume: known as soon as the
+    Hub gave the dataset's size, before the GPU probe ends, so the dataset download can start
+    while the probe runs (measured before the download takes any of the room)."""
     hf_home = default_hf_home(env)
     ckpt_bytes, ckpt_note = checkpoint_estimate(plan.model, plan.epochs, plan.save_period)
     unknown = None
@@ -95,7 +93,12 @@ def host_checks(plan: Plan, env: Env, dataset_bytes: int | None, ranks: int) -> 
     checks = evaluate_disk([n for n in needs if n.path in usage], usage, strict=not plan.generic)
     checks += unmeasured
     checks.append(evaluate_hf_home(hf_home, mounts, resolved=nearest_existing(hf_home).resolve()))
+    return checks
 
+
+def machine_checks(plan: Plan, ranks: int) -> list[Check]:
+    """shm, RAM and CPUs for ``ranks`` training processes (one per GPU used)."""
+    checks: list[Check] = []
     try:
         shm: int | None = shutil.disk_usage("/dev/shm").total
     except OSError:
