@@ -258,24 +258,67 @@ def find_launched(launch_id: str) -> psutil.Process | None:
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
-    """``pid`` and all its descendants (across sessions: psutil follows parent pids)."""
+    """``pid`` and all its descendants (across sessions: parent links are followed)."""
     try:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return []
-    try:
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return [root]
+    descendants = _descendants(pid)
+    if descendants is None:  # no /proc/PID/task/TID/children on this kernel
+        try:
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return [root]
+    procs = [root]
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            procs.append(psutil.Process(child))
+    return procs
+
+
+def _descendants(pid: int) -> list[int] | None:
+    """The descendants of ``pid`` from ``/proc/PID/task/TID/children``: a read per process of
+    the tree, where psutil reads the stat file of every process on the machine (and the
+    supervision loop asks several times a turn). None where the kernel lacks the file."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        return None
+    out: list[int] = []
+    todo = [pid]
+    seen = {pid}
+    while todo:
+        current = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue  # exited meanwhile
+        for tid in tids:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children") as f:
+                    words = f.read().split()
+            except OSError:
+                continue
+            for child in map(int, words):
+                if child not in seen:
+                    seen.add(child)
+                    out.append(child)
+                    todo.append(child)
+    return out
 
 
 def tree_cpu_seconds(pids: Collection[int]) -> dict[tuple[int, float], float]:
     """CPU seconds (user + system) of every process in the trees of ``pids``, keyed by pid and
     create time, so that a caller can count per process: one that exits (a dataloader worker)
-    must not make a sum go down. Blocking (psutil)."""
+    must not make a sum go down. ``pids`` may hold a tree's members as well as its root: each
+    process is read once. Blocking (psutil)."""
     current: dict[tuple[int, float], float] = {}
-    for pid in pids:
+    covered: set[int] = set()
+    for pid in sorted(pids):
+        if pid in covered:
+            continue  # in the tree of a pid already walked
         for proc in process_tree(pid):
+            if proc.pid in covered:
+                continue
+            covered.add(proc.pid)
             try:
                 key = (proc.pid, proc.create_time())
                 t = proc.cpu_times()

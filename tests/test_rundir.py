@@ -393,3 +393,41 @@ def test_run_watcher_sets_event_on_status_change(tmp_path: Path) -> None:
 
     assert asyncio.run(scenario())
     assert runs.is_dir()
+
+
+class CountingEvent(asyncio.Event):
+    """An asyncio.Event that counts how often it was set (the loop's wake-ups)."""
+
+    sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_run_watcher_wakes_once_for_a_big_write_not_per_write_call(tmp_path: Path) -> None:
+    """torch.save writes a checkpoint in thousands of write() calls: the loop must wake when
+    the file is whole (closed), not for each call (IN_MODIFY is not in the mask)."""
+    runs = tmp_path / "runs"
+    (runs / "run1" / "weights").mkdir(parents=True)
+
+    async def scenario() -> int:
+        changed = CountingEvent()
+        watcher = RunWatcher(asyncio.get_running_loop(), changed)
+        try:
+            watcher.watch(runs)
+            await asyncio.sleep(0.2)
+            changed.clear()
+            before = changed.sets
+            with open(runs / "run1" / "weights" / "last.pt", "wb", buffering=0) as f:
+                for _ in range(2000):
+                    f.write(b"\0" * 4096)
+                    await asyncio.sleep(0)  # let the loop take events as they come
+            await asyncio.wait_for(changed.wait(), 10)
+            await asyncio.sleep(0.5)  # anything still in flight
+            return changed.sets - before
+        finally:
+            watcher.stop()
+
+    wakes = asyncio.run(scenario())
+    assert 1 <= wakes <= 3, wakes  # created, closed: not 2000

@@ -527,3 +527,34 @@ def test_an_outcome_names_its_kind_as_a_word_in_causes_and_logs() -> None:
     assert f"{outcome.kind}" == "killed"
     _, stopped = outcome.reason(Reason.STOPPED_BY_USER, None)
     assert stopped == "stop requested; trainer killed"
+
+
+def test_process_tree_follows_children_across_sessions_reading_only_the_tree() -> None:
+    """process_tree reads /proc/PID/task/TID/children (the tree only) and finds what psutil's
+    scan of every process finds, a grandchild in its own session included."""
+    from agent.trainer import tree_cpu_seconds
+
+    script = (
+        "import os, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True)\n"
+        "subprocess.Popen(['sleep', '60'])\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "$0" & wait', script])
+    try:
+        root = psutil.Process(parent.pid)
+        deadline = time.time() + 20
+        while len(root.children(recursive=True)) < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        expected = sorted([parent.pid, *(c.pid for c in root.children(recursive=True))])
+        assert len(expected) == 4
+        assert sorted(p.pid for p in process_tree(parent.pid)) == expected
+        # Members given beside their root are read once, not once per member.
+        cpu = tree_cpu_seconds(set(expected))
+        assert sorted(pid for pid, _ in cpu) == expected
+    finally:
+        for proc in [*psutil.Process(parent.pid).children(recursive=True), parent]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                proc.kill()
+        parent.wait()
