@@ -1,12 +1,12 @@
 """The benchmark harness (issue 15): every figure measured side by side with its anchor in one
 run, repeated; medians and min-max written to bench/RESULTS.md, as measured.
 
-    .venv/bin/python bench/run.py [--quick] [--repeat N] [--only P1,P3] [--out PATH]
+    .venv/bin/python bench/run.py [--quick] [--repeat N] [--only P1,P3] [--device 0] [--out PATH]
 
-- P1: the agent (``python -m agent.cli run JOB``, a real process) supervising a real tiny CPU
-  training (yolox-n, imgsz 64): its own peak RSS (/proc/PID/status VmHWM) and CPU seconds per
-  epoch; anchor, on the same training at the same time: a loop that every 20 s reads
-  status.json and hashes last.pt (``bench/common.py poll``).
+- P1: the agent (``python -m agent.cli run JOB``, a real process) supervising a real tiny
+  training (yolox-n, imgsz 64, on ``--device``, default ``cpu``): its own peak RSS
+  (/proc/PID/status VmHWM) and CPU seconds per epoch; anchor, on the same training at the same
+  time: a loop that every 20 s reads status.json and hashes last.pt (``bench/common.py poll``).
 - P2: checkpoint written (the scripted trainer's ``write_checkpoint`` returned) -> the sink's
   ``upload`` of that epoch's last.pt entered, for several checkpoint sizes; the real Daemon
   in-process; anchor on the same trainer at the same time: a loop that every 10 s copies
@@ -87,12 +87,14 @@ class Config:
     # P5: the file uploaded.
     p5_mb: int
     p5_rounds: int
+    # P1/P7: the trainer's device (``train.device``): "cpu", or a GPU such as "0".
+    device: str = "cpu"
 
 
-def config(quick: bool, repeat: int | None) -> Config:
+def config(quick: bool, repeat: int | None, device: str = "cpu") -> Config:
     if quick:
-        return Config(True, repeat or 1, 16, 2, [1_000, 20_000], 6, 1.5, 8, 3)
-    return Config(False, repeat or 3, 32, 3, [1_000, 20_000, 200_000], 8, 2.0, 50, 5)
+        return Config(True, repeat or 1, 16, 2, [1_000, 20_000], 6, 1.5, 8, 3, device)
+    return Config(False, repeat or 3, 32, 3, [1_000, 20_000, 200_000], 8, 2.0, 50, 5, device)
 
 
 @dataclass
@@ -157,9 +159,11 @@ def stop_proc(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
 # ==================================================================================== P1 + P7
 
 
-def real_job_text(tmp: Path, data: Path, epochs: int, runs: Path) -> str:
-    """A tiny real CPU job as a user would write it: the agent's defaults (preflight, dataset
-    doctor) kept, CPU allowed, checkpoints synced to a folder, teardown provider none."""
+def real_job_text(tmp: Path, data: Path, epochs: int, runs: Path, device: str = "cpu") -> str:
+    """A tiny real job as a user would write it: the agent's defaults (preflight, dataset
+    doctor) kept, checkpoints synced to a folder, teardown provider none. On ``device = "cpu"``
+    preflight allows the CPU; on a GPU it keeps its default (a missing GPU fails the job)."""
+    allow_cpu = "true" if device == "cpu" else "false"
     return f"""
 [job]
 name = "run1"
@@ -172,9 +176,9 @@ epochs = {epochs}
 imgsz = 64
 batch = 4
 workers = 0
-device = "cpu"
+device = "{device}"
 [preflight]
-allow_cpu = true
+allow_cpu = {allow_cpu}
 [server]
 listen = "127.0.0.1:0"
 [sync]
@@ -234,7 +238,7 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
     out = P1Run()
     runs = tmp / "runs"
     job = tmp / "job.toml"
-    job.write_text(real_job_text(tmp, data, cfg.p1_epochs, runs))
+    job.write_text(real_job_text(tmp, data, cfg.p1_epochs, runs, cfg.device))
     state_dir = tmp / "state"
     env = {k: v for k, v in os.environ.items() if k != "LIBREYOLO_AGENT_CRASHPOINT"}
     env["LIBREYOLO_AGENT_STATE_DIR"] = str(state_dir)
@@ -338,7 +342,8 @@ def bare_run(tmp: Path, data: Path, cfg: Config) -> float | None:
     from agent.trainer import build_argv
 
     runs = tmp / "bare-runs"
-    job = parse_job(real_job_text(tmp, data, cfg.p1_epochs, runs), source="bench", base_dir=tmp)
+    text = real_job_text(tmp, data, cfg.p1_epochs, runs, cfg.device)
+    job = parse_job(text, source="bench", base_dir=tmp)
     argv = build_argv(job)
     t0 = time.time()
     proc = subprocess.Popen(
@@ -439,7 +444,8 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
         guard = vals("guard_peak")
         s.notes += [
             f"Real trainer: yolox-n, imgsz 64, {cfg.p1_train_images} train images, "
-            f"{cfg.p1_epochs} epochs, CPU; an epoch took {fmt_spread(epoch, 's', 1)}. CPU is "
+            f"{cfg.p1_epochs} epochs, device {cfg.device}; an epoch took "
+            f"{fmt_spread(epoch, 's', 1)}. CPU is "
             "counted from the trainer's first status.json to its last epoch's, over "
             f"{ok[0].epochs if ok else '?'} epoch(s) per run (the agent's start-up, preflight "
             "and final sync are outside it; its peak RSS covers the whole run).",
@@ -490,8 +496,10 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
             v = [r.phases[name] for r in ok if name in r.phases]
             s.notes.append(f"of which {name}: {fmt_spread(v)}")
         s.notes.append(
-            "The job keeps the agent's defaults: preflight (allow_cpu) and the dataset doctor "
-            "run before the trainer starts. The bare run is the command line the agent builds "
+            "The job keeps the agent's defaults: preflight "
+            f"({'allow_cpu' if cfg.device == 'cpu' else 'GPU required'}) and the dataset doctor "
+            f"run before the trainer starts (device {cfg.device}). The bare run is the command "
+            "line the agent builds "
             "(`agent.trainer.build_argv`), started right after each agent run and stopped at its "
             "first status.json."
         )
@@ -1074,13 +1082,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=None, help="repeats (default 3; --quick: 1)")
     ap.add_argument("--only", default=",".join(FIGURES), help="figures to run, e.g. P3,P5")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "RESULTS.md")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help='P1/P7 trainer device (train.device): "cpu" (default) or a GPU, e.g. "0"; on a GPU '
+        "preflight must find it (allow_cpu false)",
+    )
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     want = {f.strip().upper() for f in args.only.split(",") if f.strip()}
     unknown = want - set(FIGURES)
     if unknown:
         ap.error(f"unknown figure(s): {', '.join(sorted(unknown))}")
-    cfg = config(args.quick, args.repeat)
+    cfg = config(args.quick, args.repeat, args.device)
     logging.getLogger("agent").setLevel(logging.INFO)
     logging.getLogger("agent").propagate = False  # agent.log has it; keep the console for us
     started = time.time()

@@ -4,8 +4,11 @@
 # expected in .whl/ (see docs/gpu-validation.md). Results go to $OUT (default ./gpu-out).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+# No .whl/ (a box whose python3 already has everything, or a CPU rehearsal): nothing to install.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH="$PWD:/tmp/site" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
 agent() { python3 -m agent.cli "$@"; }
 now() { date +%s.%N; }
@@ -15,7 +18,181 @@ now() { date +%s.%N; }
   libreyolo --version 2>/dev/null || python3 -c 'import libreyolo; print(libreyolo.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 
-only="${1:-all}"   # all | reattach | issue8 | issue11 | issue14
+only="${1:-all}"   # all | reattach | issue8 | issue11 | issue14 | issue15
+
+if [ "$only" = issue15 ]; then
+# Issue 15, the whole job on a real GPU with the finished agent: the dataset staged from a (fake)
+# Hugging Face Hub, checkpoints synced to hf:// every epoch, the box torn down through a (fake)
+# vast.ai API, preflight on with its defaults; both fakes (tests/fakes) run on 127.0.0.1 from
+# scripts/gpu_issue15.py. (1) yolox-n and yolo9-t run to completion: exit, wall time, phases,
+# start-up, teardown read-back, Hub sha256 == local, agent peak RSS and CPU; (2) the yolox-n job
+# under `agent stop`, an agent SIGKILL (a second agent re-attaches), a reboot-style kill (agent
+# and trainer tree, another boot id: resume); (3) bench/run.py P1,P6,P7 on this device.
+# DEVICE=cpu rehearses it all on a CPU box with smaller settings (the bench only with BENCH=1).
+R="$OUT/issue15.txt"; B=/tmp/i15; DEV="${DEVICE:-0}"
+rm -rf "$B"; mkdir -p "$B"
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+secs() { awk "BEGIN { printf \"%.2f\", $2 - $1 }"; }
+if [ "$DEV" = cpu ]; then
+  IMG=64; BATCH=4; WORKERS=0; EP_WHOLE=3; EP_KILL=6; ALLOW_CPU=true
+else
+  IMG=320; BATCH=16; WORKERS=2; EP_WHOLE=6; EP_KILL=9; ALLOW_CPU=false
+fi
+echo "== issue 15: the whole job on device $DEV (imgsz $IMG, batch $BATCH, workers $WORKERS," \
+  "epochs $EP_WHOLE / $EP_KILL), dataset and sync on a fake Hub, teardown on a fake vast.ai" | tee "$R"
+H15="python3 scripts/gpu_issue15.py"
+i15_cleanup() {
+  [ -n "${i15_serve:-}" ] && kill -TERM "$i15_serve" 2>/dev/null && wait "$i15_serve" 2>/dev/null
+  i15_serve=""
+  $H15 cleanup "$B"/*/state 2>/dev/null
+}
+trap i15_cleanup EXIT
+$H15 serve "$B/serve" > "$B/serve.log" 2>&1 & i15_serve=$!
+for _ in $(seq 1 150); do [ -s "$B/serve/serve.env" ] && break; sleep 0.2; done
+if [ ! -s "$B/serve/serve.env" ]; then
+  echo "the fake servers did not start:" >> "$R"; cat "$B/serve.log" >> "$R"; cat "$R"; exit 1
+fi
+# shellcheck disable=SC1091
+. "$B/serve/serve.env"; say "$(cat "$B/serve.log")"
+# The agent's environment, per command: the Hub (token, endpoint) and the vast key; CONTAINER_ID
+# is added per job (Vast sets it in every instance). Nothing of it is exported to the bench.
+# shellcheck disable=SC2054  # NO_PROXY's value is a comma list, not array elements
+HUBENV=(HF_ENDPOINT="$HF_ENDPOINT" HF_TOKEN="$HF_TOKEN" HF_HOME="$B/hf" HF_HUB_DISABLE_TELEMETRY=1
+  HF_HUB_DISABLE_XET=1 NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
+  VAST_API_KEY="$VAST_API_KEY")
+unset HF_ENDPOINT HF_TOKEN VAST_API_KEY   # in case the caller had them exported
+mkjob() { # $1 dir, $2 job name, $3 model, $4 epochs
+cat > "$1/job.toml" <<TOML
+[job]
+name = "$2"
+runs_dir = "$1/runs"
+[train]
+model = "$3"
+pretrained = false
+epochs = $4
+imgsz = $IMG
+batch = $BATCH
+workers = $WORKERS
+device = "$DEV"
+save_period = 3
+[dataset]
+repo = "$DATA_REPO"
+file = "$DATA_FILE"
+dest = "$1/data"
+data_yaml = "boxes/data.yaml"
+[sync]
+target = "hf://gpu-i15/$2"
+every_epochs = 1
+[teardown]
+provider = "vast"
+api_url = "$VAST_URL"
+[preflight]
+allow_cpu = $ALLOW_CPU
+[server]
+listen = "127.0.0.1:0"
+TOML
+}
+run_agent() { # $1 dir, $2 instance id, $3 log name, [$4 VAR=value]; the agent in the background -> $apid
+  env "${HUBENV[@]}" CONTAINER_ID="$2" ${4:+"$4"} python3 -m agent.cli run "$1/job.toml" > "$1/$3" 2>&1 &
+  apid=$!
+}
+epoch_of() { agent status --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("epoch") or 0)' 2>/dev/null; }
+wait_epoch() { # $1 epoch, $2 agent pid: 0 once reached, 1 when the agent ended or 300 s passed
+  for _ in $(seq 1 600); do
+    kill -0 "$2" 2>/dev/null || return 1
+    e=$(epoch_of); [ "${e:-0}" -ge "$1" ] && return 0; sleep 0.5
+  done; return 1
+}
+trainer_pid() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['trainer']['pid'])" "$1/state/state.json" 2>/dev/null; }
+gpu_busy() { [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d '[:space:]')" ]; }
+
+# (1) whole jobs
+iid=1500
+for model in yolox-n yolo9-t; do
+  iid=$((iid + 1)); D="$B/$model"; mkdir -p "$D"; mkjob "$D" "i15-$model" "$model" "$EP_WHOLE"
+  export LIBREYOLO_AGENT_STATE_DIR="$D/state"
+  say "(1) $model: whole job, $EP_WHOLE epochs (vast instance $iid)"
+  t0=$(now); run_agent "$D" "$iid" agent.log
+  $H15 sample "$apid" "$D/usage.json" & spid=$!
+  wait "$apid"; rc=$?; t1=$(now); wait "$spid" 2>/dev/null
+  say "(1) $model: agent exit $rc after $(secs "$t0" "$t1") s"
+  echo "-- (1) $model whole job: agent exit $rc, wall $(secs "$t0" "$t1") s" >> "$R"
+  CONTAINER_ID=$iid $H15 report "$D" "i15-$model" "$B/serve" "$t0" >> "$R" 2>&1
+done
+
+# (2) the yolox-n job, longer, under a stop, an agent SIGKILL and a reboot-style kill
+# (a) agent stop at epoch >= 2
+D="$B/stop"; mkdir -p "$D"; mkjob "$D" i15-stop yolox-n "$EP_KILL"; iid=1503
+export LIBREYOLO_AGENT_STATE_DIR="$D/state"
+say "(2a) agent stop at epoch >= 2"
+run_agent "$D" "$iid" agent.log; a1=$apid
+if wait_epoch 2 "$a1"; then
+  e=$(epoch_of); tp=$(trainer_pid "$D"); t0=$(now)
+  $H15 gone "${tp:-0}" "$t0" > "$D/gone.txt" 2>&1 & gpid=$!
+  agent stop > "$D/stop.out" 2>&1
+  free="skipped (DEVICE=cpu)"
+  if [ "$DEV" != cpu ]; then
+    free="not within 120 s"
+    for _ in $(seq 1 1200); do gpu_busy || { free="$(secs "$t0" "$(now)") s"; break; }; sleep 0.1; done
+  fi
+  wait "$a1"; rc=$?; t1=$(now); wait "$gpid" 2>/dev/null
+  echo "-- (2a) agent stop at epoch $e: agent exit $rc after $(secs "$t0" "$t1") s; stop -> GPU free (nvidia-smi compute apps empty): $free; stop -> trainer tree gone: $(cat "$D/gone.txt")" >> "$R"
+  sed 's/^/  stop says: /' "$D/stop.out" | head -3 >> "$R"
+else
+  agent stop > /dev/null 2>&1; wait "$a1"; echo "-- (2a) the job never reached epoch 2 (agent exit $?)" >> "$R"
+fi
+CONTAINER_ID=$iid $H15 report "$D" i15-stop "$B/serve" >> "$R" 2>&1
+# Where the stop's seconds go: the agent's lines and the trainer's last words, timestamped.
+cp "$D/agent.log" "$OUT/issue15-stop-agent.log" 2>/dev/null
+tail -c 20000 "$D/state/trainer.log" > "$OUT/issue15-stop-trainer.log" 2>/dev/null
+
+# (b) agent SIGKILL at epoch >= 2; a second agent re-attaches to the same trainer and finishes
+D="$B/reattach"; mkdir -p "$D"; mkjob "$D" i15-reattach yolox-n "$EP_KILL"; iid=1504
+export LIBREYOLO_AGENT_STATE_DIR="$D/state"
+say "(2b) agent SIGKILL at epoch >= 2, a second agent re-attaches"
+run_agent "$D" "$iid" agent1.log; a1=$apid
+wait_epoch 2 "$a1"; e=$(epoch_of)
+kill -9 "$a1"; wait "$a1" 2>/dev/null
+tp=$(trainer_pid "$D")
+alive=$(kill -0 "${tp:-0}" 2>/dev/null && echo alive || echo gone)
+t0=$(now); run_agent "$D" "$iid" agent2.log; wait "$apid"; rc=$?
+echo "-- (2b) agent SIGKILLed at epoch $e (trainer $tp $alive); second agent exit $rc after $(secs "$t0" "$(now)") s" >> "$R"
+echo "  'trainer started' lines: first agent $(grep -c 'trainer started' "$D/agent1.log"), second $(grep -c 'trainer started' "$D/agent2.log") (must total 1); 're-attached to trainer' in the second: $(grep -c 're-attached to trainer' "$D/agent2.log")" >> "$R"
+CONTAINER_ID=$iid $H15 report "$D" i15-reattach "$B/serve" >> "$R" 2>&1
+
+# (c) reboot: agent and the whole trainer tree SIGKILLed at epoch >= 3, another boot id resumes
+D="$B/reboot"; mkdir -p "$D"; mkjob "$D" i15-reboot yolox-n "$EP_KILL"; iid=1505
+export LIBREYOLO_AGENT_STATE_DIR="$D/state"
+say "(2c) reboot-style kill at epoch >= 3, resume under another boot id"
+run_agent "$D" "$iid" agent1.log; a1=$apid
+wait_epoch 3 "$a1"; e=$(epoch_of)
+tp=$(trainer_pid "$D")
+# A reboot ends everything: the agent, its trainer tree and its guard (no teardown of its own).
+$H15 kill-tree "$a1" "${tp:-0}" "$D/state" >> "$D/kill.txt" 2>&1; wait "$a1" 2>/dev/null
+t0=$(now)
+run_agent "$D" "$iid" agent2.log LIBREYOLO_AGENT_BOOT_ID=simulated-reboot; wait "$apid"; rc=$?
+echo "-- (2c) agent + trainer tree SIGKILLed at epoch $e ($(cat "$D/kill.txt")); agent under boot id simulated-reboot exit $rc after $(secs "$t0" "$(now)") s" >> "$R"
+grep -E "rebooted|resum" "$D/agent2.log" | head -4 | cut -c1-220 | sed 's/^/  log: /' >> "$R"
+CONTAINER_ID=$iid $H15 report "$D" i15-reboot "$B/serve" >> "$R" 2>&1
+unset LIBREYOLO_AGENT_STATE_DIR
+i15_cleanup
+
+# (3) the benchmark on this device
+if [ "$DEV" != cpu ] || [ "${BENCH:-0}" = 1 ]; then
+  say "(3) bench/run.py --only P1,P6,P7 --repeat 2 --device $DEV"
+  t0=$(now)
+  python3 bench/run.py --only P1,P6,P7 --repeat 2 --device "$DEV" --out "$OUT/RESULTS-gpu.md" \
+    > "$B/bench.log" 2>&1
+  echo "-- (3) bench/run.py P1,P6,P7 on device $DEV: exit $? after $(secs "$t0" "$(now)") s ($OUT/RESULTS-gpu.md)" >> "$R"
+  grep -E '^\| P[167] ' "$OUT/RESULTS-gpu.md" >> "$R" 2>/dev/null || tail -20 "$B/bench.log" >> "$R"
+else
+  echo "-- (3) bench skipped on DEVICE=cpu (BENCH=1 runs it)" >> "$R"
+fi
+cp "$B/yolox-n/agent.log" "$OUT/issue15-agent.log" 2>/dev/null
+say "done"
+cat "$R"
+exit 0
+fi
 
 if [ "$only" = issue14 ]; then
 # Issues 13/14 on the GPU: (1) the install-time torch choice on this box (agent/torchpick.py);
