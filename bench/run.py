@@ -407,6 +407,7 @@ def long_epoch_cpu(cfg: Config, root: Path) -> tuple[list[float], list[float], l
             sampler.join()
         epochs = sorted(r.written)
         if r.error or len(epochs) < 2:
+            say(f"  run {i + 1} not counted: {r.error or f'{len(epochs)} epoch(s) written'}")
             continue
         t0, t1 = r.written[epochs[0]], r.written[epochs[-1]]
         c0 = next((c for t, c in reversed(samples) if t <= t0), None)

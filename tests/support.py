@@ -74,3 +74,16 @@ def slow_stage(seconds: float) -> tuple[Callable[[], None], threading.Event]:
         time.sleep(seconds)
 
     return hook, started
+
+
+async def post_stop(base: str, state_dir: Path) -> None:
+    """``POST /stop`` to the agent at ``base`` with its state directory's token, as the
+    ``stop`` command does; the agent must accept it."""
+    import aiohttp
+
+    token = (state_dir / "token").read_text().strip()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{base}/stop", headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
+        assert r.status == 200

@@ -26,7 +26,7 @@ from agent import demo
 from agent.config import Env, Job, PreflightSection
 from agent.daemon import Daemon
 from agent.state import Phase, StateStore
-from tests.support import slow_stage, tiny_job, wait_for
+from tests.support import post_stop, slow_stage, tiny_job, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -343,12 +343,8 @@ def test_stop_requested_during_staging_starts_no_trainer(tmp_path: Path) -> None
         daemon = Daemon(job, env, stage_hook=slow_staging, on_ready=probe.ready)
         task = asyncio.create_task(daemon.run())
         await wait_for(staged.is_set, timeout=20)
-        token = (env.state_dir / "token").read_text().strip()
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{probe.base}/stop", headers={"Authorization": f"Bearer {token}"}) as r,
-        ):
-            assert r.status == 200
+        assert probe.base is not None
+        await post_stop(probe.base, env.state_dir)
         return await task, daemon
 
     code, daemon = asyncio.run(main())

@@ -12,13 +12,11 @@ import threading
 import time
 from pathlib import Path
 
-import aiohttp
-
 from agent.config import Env, Job, PreflightSection
 from agent.daemon import Daemon
 from agent.state import StateStore
 from tests.fakes.hub import run_fake_hub
-from tests.support import tiny_job, wait_for
+from tests.support import post_stop, tiny_job, wait_for
 
 
 def with_preflight(tmp: Path, data: Path, *, allow_cpu: bool, sections: str = "") -> Job:
@@ -55,13 +53,7 @@ def test_dataset_is_staged_while_the_gpu_probe_runs(tmp_path: Path) -> None:
         daemon = Daemon(job, env, stage_hook=hook, on_ready=ready)
         task = asyncio.create_task(daemon.run())
         await wait_for(calls.is_set, timeout=60)
-        # Staging began; nothing is to be trained in this test.
-        token = (env.state_dir / "token").read_text().strip()
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{base['url']}/stop", headers={"Authorization": f"Bearer {token}"}) as r,
-        ):
-            assert r.status == 200
+        await post_stop(base["url"], env.state_dir)  # staging began; nothing is to be trained
         return await task
 
     assert asyncio.run(main()) == 0
