@@ -413,6 +413,7 @@ def long_epoch_cpu(cfg: Config, root: Path) -> tuple[list[float], list[float], l
         c0 = next((c for t, c in reversed(samples) if t <= t0), None)
         c1 = next((c for t, c in samples if t >= t1), None)
         if c0 is None or c1 is None:
+            say(f"  run {i + 1} not counted: no CPU sample around its epochs")
             continue
         pct.append(100 * (c1 - c0) / (t1 - t0))
         per_epoch.append((c1 - c0) / (len(epochs) - 1))
