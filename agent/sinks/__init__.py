@@ -9,9 +9,11 @@ uploads of the same path can never overlap.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -61,14 +63,20 @@ class Sink(Protocol):
         does not match. Blocking."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time into one buffer)."""
-    h = hashlib.sha256()
+def _blocks(f: io.RawIOBase, chunk: int) -> Iterator[memoryview]:
+    """The file's bytes, ``chunk`` at a time, read into one reused buffer (no copy per read)."""
     buf = bytearray(chunk)
     view = memoryview(buf)
+    while n := f.readinto(buf):
+        yield view[:n]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of the file at ``path``, hex (read ``chunk`` bytes at a time)."""
+    h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        for block in _blocks(f, chunk):
+            h.update(block)
     return h.hexdigest()
 
 
@@ -84,7 +92,8 @@ class Digests:
         self._known: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        #: Lookups that found nothing (each one a file read in full by the caller).
+        self.misses = 0
 
     @staticmethod
     def identity(st: os.stat_result) -> tuple[int, ...]:
@@ -101,10 +110,7 @@ class Digests:
     def lookup(self, st: os.stat_result) -> str | None:
         with self._lock:
             digest = self._known.get(self.identity(st))
-            if digest is None:
-                self.misses += 1
-            else:
-                self.hits += 1
+            self.misses += digest is None
             return digest
 
     def sha256(self, path: Path) -> str:
@@ -119,10 +125,6 @@ class Digests:
             self.remember(before, digest)
         return digest
 
-    def clear(self) -> None:
-        with self._lock:
-            self._known.clear()
-
 
 #: The process's one digest memory (snapshots, sinks and the pruner share it).
 DIGESTS = Digests()
@@ -132,15 +134,11 @@ def copy_hashing(src: Path, dst: Path, chunk: int = 1 << 20) -> str:
     """Copy ``src`` to ``dst`` and return the sha256 of the bytes copied: one read of the
     source instead of a copy and a second read to hash (a checkpoint is hundreds of MB)."""
     h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
     with open(src, "rb", buffering=0) as f, open(dst, "wb", buffering=0) as out:
-        while n := f.readinto(buf):
-            block = view[:n]
+        for block in _blocks(f, chunk):
             h.update(block)
             while block:
-                written = out.write(block)
-                block = block[written:]
+                block = block[out.write(block) :]
     return h.hexdigest()
 
 
