@@ -25,6 +25,14 @@ local dataset) never loads them. Importing this module checks the installed vers
 package metadata; :func:`configure` records the timeouts and installs them when the library is
 loaded (at once if it already is). Every Hub call goes through :func:`api` (or the library,
 once something here loaded it), so none runs without the timeouts.
+
+Transfers: Git LFS, not Xet, unless ``HF_HUB_DISABLE_XET`` is set (to anything; ``0`` turns
+Xet on). The Hub takes LFS uploads into every repo, Xet-backed ones included, and serves their
+files to LFS clients through its LFS bridge. LFS streams each checkpoint from disk in one PUT
+(or in the parts the Hub asks for) with the sha256 the agent already has, while ``hf_xet``
+would load a Rust runtime and its chunk buffers into the supervising daemon (8.5 MiB at import
+alone) on a path no fake can check. Only this process is affected: the trainer's environment
+is left alone.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import errno
 import importlib
 import logging
 import math
+import os
 import re
 import sys
 import threading
@@ -147,6 +156,10 @@ def _load() -> Any:
         import huggingface_hub
 
         check_hub_version(huggingface_hub.__version__)
+        if not xet_enabled():
+            constants = getattr(huggingface_hub, "constants", None)
+            if constants is not None and hasattr(constants, "HF_HUB_DISABLE_XET"):
+                constants.HF_HUB_DISABLE_XET = True  # read at each transfer, never at import
         from huggingface_hub import HfApi, close_session, get_session, set_client_factory
         from huggingface_hub.errors import (
             EntryNotFoundError,
@@ -209,6 +222,14 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------------------------
 # Client set-up
 
+
+def xet_enabled() -> bool:
+    """Whether the agent's Hub transfers may use Xet: only when ``HF_HUB_DISABLE_XET`` is set and
+    says no (``0``, ``false``...). Unset, the agent uses Git LFS (see the module's docstring)."""
+    raw = os.environ.get("HF_HUB_DISABLE_XET")
+    return raw is not None and raw.strip().upper() not in {"1", "ON", "YES", "TRUE"}
+
+
 #: Seconds to open a connection to the Hub.
 HTTP_CONNECT_TIMEOUT_S = 15.0
 #: Seconds the client waits for the next bytes of an answer (or to send the next ones).
@@ -258,9 +279,10 @@ def configure(
         token = "set" if env.hf_token else "not set"
         where = f", endpoint {env.hf_endpoint}, HF_TOKEN {token}"
     log.info(
-        "hub: huggingface_hub %s over %s, timeouts %gs to connect, %gs between bytes%s",
+        "hub: huggingface_hub %s over %s, %s, timeouts %gs to connect, %gs between bytes%s",
         version,
         http_module_name(version),
+        "Xet transfers" if xet_enabled() else "Git LFS transfers",
         connect_timeout_s,
         timeout_s,
         where,
@@ -319,7 +341,8 @@ HubErrorKind = Literal[
     "missing_file",
     #: HTTP 429.
     "rate_limited",
-    #: Another status in :data:`RETRYABLE_STATUS`, or a 5xx: trouble on the Hub's side.
+    #: Another status in :data:`RETRYABLE_STATUS`, or a 5xx: trouble on the Hub's side; or any
+    #: error of an LFS upload to the storage's presigned URL (a fresh URL is asked for next time).
     "transient",
     #: Any other HTTP error (400, 413, 501...): the Hub will answer the same again.
     "rejected",
@@ -484,6 +507,11 @@ def _http_failure(exc: HfHubHTTPError, token: str | None) -> HubFailure:
         kind = "missing_revision"
     elif isinstance(exc, lib.EntryNotFoundError):
         kind = "missing_file"
+    elif exc.response.request.method == "PUT":
+        # An LFS upload to the storage's presigned URL (the client PUTs nothing else): a 403 is
+        # an expired signature, a 400 a timed-out socket, not the token. The next attempt asks
+        # the Hub for a fresh URL, and the Hub checks everything again at commit.
+        kind = "transient"
     elif status == 401:
         kind = "unauthorized"
     elif status == 403:

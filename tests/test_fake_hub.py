@@ -89,10 +89,19 @@ def test_upload_then_download_regular_and_lfs_files(hub: FakeHub, tmp_path: Path
     a.upload_file(path_or_fileobj=TEXT, path_in_repo="results.csv", repo_id="org/run")
     assert hub.file("model", "org/run", "weights/last.pt") == CKPT
 
-    # The client never went near LFS: preupload said "regular", content went as base64 NDJSON.
-    assert {r.route for r in hub.requests} == {"create_repo", "preupload", "commit"}
-    commit = hub.commits("model", "org/run")[-1]
-    assert commit.paths == ("results.csv",)
+    # As on the Hub: the checkpoint went through the LFS batch API and one PUT (then verify),
+    # the CSV as base64 in the NDJSON commit; each commit names its one file.
+    routes = [r.route for r in hub.requests]
+    assert routes == [
+        *("create_repo", "preupload", "lfs_batch", "lfs_upload", "lfs_verify", "commit"),
+        *("preupload", "commit"),
+    ]
+    put = next(r for r in hub.requests if r.route == "lfs_upload")
+    assert put.auth == "none"  # the presigned URL is the credential, as on S3
+    assert [c.paths for c in hub.commits("model", "org/run")[-2:]] == [
+        ("weights/last.pt",),
+        ("results.csv",),
+    ]
 
     for name, data in (("weights/last.pt", CKPT), ("results.csv", TEXT)):
         path = hf_hub_download(

@@ -272,7 +272,8 @@ def test_configure_installs_the_timeouts_and_is_idempotent(
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hub: ")]
     assert lines[0] == (
         f"hub: huggingface_hub {huggingface_hub.__version__} over {hub.hub_http.__name__}, "
-        "timeouts 3s to connect, 7s between bytes, endpoint https://huggingface.co, HF_TOKEN set"
+        "Git LFS transfers, timeouts 3s to connect, 7s between bytes, "
+        "endpoint https://huggingface.co, HF_TOKEN set"
     )
     assert len(lines) == 2  # installed, then the defaults again: the repeat logged nothing
     assert GOOD not in caplog.text
@@ -291,13 +292,13 @@ def test_a_hung_hub_times_out_within_the_configured_seconds(
     assert (failure.kind, failure.retryable) == ("unreachable", True)
 
 
-def _child(script: str, **environ: str) -> dict[str, object]:
-    """Run ``script`` in a fresh interpreter (the Hub client never set up); its last stdout
-    line is JSON."""
+def _child(script: str, *, unset: tuple[str, ...] = (), **environ: str) -> dict[str, object]:
+    """Run ``script`` in a fresh interpreter (the Hub client never set up), without the
+    variables in ``unset``; its last stdout line is JSON."""
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=ROOT,
-        env={**os.environ, **environ},
+        env={**{k: v for k, v in os.environ.items() if k not in unset}, **environ},
         capture_output=True,
         text=True,
         timeout=60,
@@ -344,6 +345,60 @@ def test_configure_keeps_the_librarys_offline_guard() -> None:
     result = _child(_PREFLIGHT_LIKE, HF_HUB_OFFLINE="1")
     assert result["kind"] == "offline"
     assert result["requests"] == 0
+
+
+_UPLOAD_A_CHECKPOINT = """
+    import json, sys
+    from pathlib import Path
+    import huggingface_hub.constants
+    from agent import hub
+    from agent.config import Env
+    from agent.sinks.hf import HubSink
+    from tests.fakes.hub import run_fake_hub
+
+    hub.configure()
+    ckpt = Path(sys.argv[1])
+    with run_fake_hub(tokens={"hf_good"}) as fake:
+        sink = HubSink("org/run", env=Env(hf_endpoint=fake.url, hf_token="hf_good"), private=True)
+        sink.prepare()
+        try:
+            sink.upload(ckpt, "weights/last.pt")
+        except Exception:
+            pass
+        stored = fake.file("model", "org/run", "weights/last.pt") == ckpt.read_bytes()
+        transfers = [list(t) for t in fake.lfs_transfers]
+        asked_xet = any("xet-write-token" in r.path for r in fake.requests)
+    print(json.dumps({"stored": stored, "transfers": transfers, "asked_xet": asked_xet,
+                      "disable_xet": huggingface_hub.constants.HF_HUB_DISABLE_XET,
+                      "hf_xet_loaded": "hf_xet" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("environ", "xet"), [({}, False), ({"HF_HUB_DISABLE_XET": "0"}, True)], ids=["unset", "0"]
+)
+def test_the_agent_uploads_over_git_lfs_unless_told_to_use_xet(
+    tmp_path: Path, environ: dict[str, str], xet: bool
+) -> None:
+    """Unset, the agent keeps Xet (and its Rust runtime) out of the daemon: the checkpoint goes
+    through the LFS batch API, which the Hub takes for every repo. ``HF_HUB_DISABLE_XET=0`` is
+    the user's choice and is kept: the client then goes for Xet, which no fake here speaks."""
+    import importlib.util
+
+    assert importlib.util.find_spec("hf_xet") is not None  # installed with huggingface_hub
+    ckpt = tmp_path / "last.pt"
+    ckpt.write_bytes(b"PK\x03\x04" + os.urandom(300_000))
+    script = _UPLOAD_A_CHECKPOINT.replace("sys.argv[1]", repr(str(ckpt)))
+    result = _child(script, unset=("HF_HUB_DISABLE_XET",), **environ)
+    assert result["disable_xet"] is (not xet)
+    transfers = result["transfers"]
+    assert isinstance(transfers, list)
+    # 2.x asks for a Xet write token at once; 1.x first offers "xet" to the LFS batch API.
+    assert (result["asked_xet"] or any("xet" in t for t in transfers)) is xet
+    if not xet:
+        assert result["stored"] is True
+        assert result["transfers"] == [["basic", "multipart"]]
+        assert result["hf_xet_loaded"] is False
 
 
 # ---- huggingface_hub versions -------------------------------------------------------------------

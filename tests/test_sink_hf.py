@@ -294,8 +294,13 @@ def test_serial_uploads_of_one_path_never_overlap(hub: FakeHub, ckpt: Path) -> N
 def test_wrapped_transfer_errors_are_classified_by_their_cause(hub: FakeHub) -> None:
     """LFS/Xet transfers (real Hub only) raise RuntimeError from the HTTP error."""
     http = agent_hub.hub_http
-    request = http.Request("PUT", f"{hub.url}/lfs/upload")
-    for status, retryable in ((403, False), (503, True)):
+    hub_call = http.Request("POST", f"{hub.url}/api/complete_multipart")
+    storage_put = http.Request("PUT", f"{hub.url}/presigned/upload")
+    for request, status, retryable in (
+        (hub_call, 403, False),
+        (hub_call, 503, True),
+        (storage_put, 403, True),  # an expired presigned URL: the next attempt gets a new one
+    ):
         cause = HfHubHTTPError("boom", response=http.Response(status, request=request))
         wrapped = RuntimeError("Error while uploading 'w.pt' to the Hub.")
         wrapped.__cause__ = cause
@@ -336,3 +341,86 @@ def test_a_truncated_download_is_refused_and_leaves_nothing(
     hub.clear_faults()
     assert s.download("weights/last.pt", dest) is not None
     assert sha256_file(dest) == sha256_file(ckpt)
+
+
+# ---- Git LFS transfers (what the real Hub asks for checkpoints) --------------------------------
+
+
+def test_a_checkpoint_goes_up_through_the_lfs_batch_api_with_the_snapshot_digest(
+    hub: FakeHub, ckpt: Path
+) -> None:
+    """The Hub answers preupload "lfs" for a .pt: batch, one PUT to the presigned URL (no
+    token on it), verify, then a commit that names the object; a second upload of the same
+    bytes sends nothing but preupload and batch (the Hub already has the object)."""
+    s = sink(hub)
+    s.prepare()
+    hub.clear_requests()
+    s.upload(ckpt, "weights/last.pt")
+    routes = [r.route for r in hub.requests]
+    assert routes == ["preupload", "lfs_batch", "lfs_upload", "lfs_verify", "commit"]
+    put = hub.requests[2]
+    assert put.auth == "none" and put.files == (sha256_file(ckpt),)
+    assert hub.file("model", REPO, "weights/last.pt") == ckpt.read_bytes()
+    hub.clear_requests()
+    s.upload(ckpt, "weights/last.pt")
+    assert "lfs_upload" not in [r.route for r in hub.requests]
+
+
+def test_a_big_checkpoint_goes_up_in_parts(tmp_path: Path) -> None:
+    data = hashlib.sha256(b"big").digest() * 40_000  # 1.28 MB, over a 256 KiB part size
+    local = tmp_path / "best.pt"
+    local.write_bytes(data)
+    with run_fake_hub(tokens={GOOD}, lfs_chunk_size=256 * 1024) as h:
+        s = sink(h)
+        s.prepare()
+        s.upload(local, "weights/best.pt")
+        puts = [r for r in h.requests if r.route == "lfs_upload"]
+        assert len(puts) == -(-len(data) // (256 * 1024))
+        assert [r.route for r in h.requests].count("lfs_complete") == 1
+        assert h.file("model", REPO, "weights/best.pt") == data
+        assert s.stat("weights/best.pt") == RemoteFile(
+            "weights/best.pt", len(data), sha256_file(local)
+        )
+
+
+@pytest.mark.parametrize("status", [403, 400])
+def test_a_refused_storage_put_is_retryable_and_the_next_attempt_lands(
+    hub: FakeHub, ckpt: Path, status: int
+) -> None:
+    """S3 answers 403 to an expired presigned URL and 400 to a timed-out socket: neither is
+    about the token, and a new attempt gets a new URL."""
+    s = sink(hub)
+    s.prepare()
+    hub.fail("lfs_upload", status)
+    with pytest.raises(SinkError) as exc:
+        s.upload(ckpt, "weights/last.pt")
+    assert exc.value.retryable
+    assert f"HTTP {status}" in str(exc.value)
+    assert GOOD not in str(exc.value)
+    assert s.stat("weights/last.pt") is None  # nothing committed
+    s.upload(ckpt, "weights/last.pt")
+    assert hub.file("model", REPO, "weights/last.pt") == ckpt.read_bytes()
+
+
+def test_a_commit_naming_an_object_never_uploaded_is_refused(hub: FakeHub) -> None:
+    """The fake, like the Hub, will not commit an LFS pointer to bytes it does not have."""
+    import json
+
+    hub.add_repo("model", REPO)
+    body = "\n".join(
+        json.dumps(line)
+        for line in (
+            {"key": "header", "value": {"summary": "s"}},
+            {
+                "key": "lfsFile",
+                "value": {"path": "w.pt", "algo": "sha256", "oid": "0" * 64, "size": 3},
+            },
+        )
+    )
+    r = get_session().post(
+        f"{hub.url}/api/models/{REPO}/commit/main",
+        content=body.encode(),
+        headers={"Authorization": f"Bearer {GOOD}", "Content-Type": "application/x-ndjson"},
+    )
+    assert r.status_code == 422
+    assert hub.file("model", REPO, "w.pt") is None

@@ -19,8 +19,9 @@ The client is synchronous, so the server runs in a background thread with its ow
         hub.fail("commit", 503, times=2)                        # fault knobs, see below
 
 ``run_fake_hub(tokens=, read_tokens=, user="fake-user", lfs_threshold=10 MiB,
-tree_page_size=1000)``: ``tokens`` may write (and read), ``read_tokens`` may only read; ``user``
-is the namespace of repos created without an organization and what ``whoami`` answers.
+tree_page_size=1000, lfs_uploads=True, lfs_chunk_size=16 MiB)``: ``tokens`` may write (and
+read), ``read_tokens`` may only read; ``user`` is the namespace of repos created without an
+organization and what ``whoami`` answers.
 
 Tests must set ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1`` and ``NO_PROXY=127.0.0.1``
 (``tests/conftest.py`` does).
@@ -45,9 +46,7 @@ State helpers (thread-safe, callable from the test thread while the server runs)
 Like the real Hub, a new repo starts with an "initial commit" holding ``.gitattributes`` (the
 default LFS patterns), so ``files()`` includes it; use ``file()`` for single paths.
 
-How files are described (the point of the fake, see the contract): the fake answers every
-preupload with ``uploadMode: "regular"`` (so the client never touches LFS/Xet) and stores the
-bytes it receives, but it DESCRIBES files the way the real Hub does. A file is "LFS" when its path
+How files are described (the point of the fake, see the contract): a file is "LFS" when its path
 matches an LFS pattern of the repo's ``.gitattributes`` (``*.pt``, ``*.bin``, ``*.tar``,
 ``*.zip``, ...), or it is larger than ``lfs_threshold`` (10 MiB, as on the Hub), or it looks binary
 (a NUL byte in its first 8000 bytes). For LFS files paths-info/tree/repo-info give ``oid`` = git
@@ -55,6 +54,20 @@ sha1 of the LFS *pointer* and ``lfs = {oid: sha256 of content, size, pointerSize
 answers ``ETag`` = ``X-Linked-Etag`` = the sha256 and ``X-Linked-Size``. Regular files give
 ``oid`` = git blob sha1 of the content, no ``lfs``, and ``ETag`` = that sha1. (The real Hub
 redirects LFS downloads to a CDN host; the fake serves them directly.)
+
+How files go up (``lfs_uploads=True``, the default): as on the Hub, preupload answers
+``uploadMode: "lfs"`` for an LFS file (by the rule above, judged from the path, the size and the
+512-byte sample) with ``oid`` = the sha256 of the content already there, and ``"regular"``
+(``oid`` = git sha1) for the rest. An LFS file then goes through the Git LFS batch API
+(``POST /{repo}.git/info/lfs/objects/batch``, route ``lfs_batch``; objects the repo already has
+get no actions): one ``PUT`` to a presigned URL without ``Authorization`` (``lfs_upload``), or
+for objects over ``lfs_chunk_size`` (16 MiB) one ``PUT`` per part, each answered with an ETag,
+and a completion ``POST`` (``lfs_complete``) that checks them; then ``POST`` verify
+(``lfs_verify``). The fake checks size and sha256 of what arrives and refuses a commit whose
+``lfsFile`` names an object the repo was not sent (422, as the Hub). ``lfs_transfers`` lists the
+transfers each batch offered (``"xet"`` when the client would use Xet; the fake always chooses
+``basic``, as the Hub does for a client without Xet). With ``lfs_uploads=False`` every file goes
+up "regular", as base64 in the NDJSON commit.
 
 Auth (``Authorization: Bearer TOKEN``)
     - a token that is not in ``tokens``/``read_tokens`` -> 401 ``Invalid credentials in
@@ -68,7 +81,8 @@ Auth (``Authorization: Bearer TOKEN``)
 Fault knobs (thread-safe; each returns the :class:`Fault`, whose ``hits`` counts applications;
 ``times=None`` means until ``clear_faults()``). ``route`` is one of :data:`ROUTES` (``create_repo``,
 ``branch``, ``preupload``, ``commit``, ``paths_info``, ``tree``, ``repo_info``, ``resolve``,
-``whoami``, ``validate_yaml``) or ``"*"``; ``method`` narrows it (e.g. ``"HEAD"`` of resolve):
+``whoami``, ``validate_yaml``, ``lfs_batch``, ``lfs_upload``, ``lfs_complete``, ``lfs_verify``)
+or ``"*"``; ``method`` narrows it (e.g. ``"HEAD"`` of resolve):
     ``fail(route, status=503, times=1, retry_after=None, method=None)``  answer with an error
         (``Retry-After`` header when given). The client retries some calls on its own
         (``utils/_http.py`` ``http_backoff``, up to 5 retries, 1-2-4-8-8 s): preupload and tree
@@ -122,6 +136,10 @@ ROUTES = frozenset(
         "whoami",
         "validate_yaml",
         "branch",
+        "lfs_batch",
+        "lfs_upload",
+        "lfs_complete",
+        "lfs_verify",
     }
 )
 KINDS = ("model", "dataset", "space")
@@ -129,6 +147,9 @@ KINDS = ("model", "dataset", "space")
 DEFAULT_LFS_THRESHOLD = 10 * 1024 * 1024
 #: The Hub pages tree listings by 1000 entries.
 DEFAULT_TREE_PAGE_SIZE = 1000
+#: Objects larger than this go up in parts (the Hub's multipart LFS transfer); smaller ones in
+#: one PUT ("basic").
+DEFAULT_LFS_CHUNK_SIZE = 16 * 1024 * 1024
 #: Commits carry whole files as base64 in one NDJSON body: allow big ones.
 CLIENT_MAX_SIZE = 2 * 1024**3
 
@@ -167,6 +188,18 @@ def lfs_pointer(data: bytes) -> bytes:
 
 # --------------------------------------------------------------------------------------------
 # Records and faults
+
+
+@dataclass
+class _LfsUpload:
+    """An object the batch API said to upload: where it goes and the parts received so far."""
+
+    kind: str
+    repo_id: str
+    oid: str
+    size: int
+    #: Multipart only: ``{part number: bytes}``.
+    parts: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -298,7 +331,17 @@ class FakeHub:
         user: str = "fake-user",
         lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
         tree_page_size: int = DEFAULT_TREE_PAGE_SIZE,
+        lfs_uploads: bool = True,
+        lfs_chunk_size: int = DEFAULT_LFS_CHUNK_SIZE,
     ) -> None:
+        self.lfs_uploads = lfs_uploads
+        self.lfs_chunk_size = lfs_chunk_size
+        #: LFS objects uploaded (and verified) per repo: ``{(kind, repo_id): {sha256: bytes}}``.
+        self._lfs: dict[tuple[str, str], dict[str, bytes]] = {}
+        #: Upload URLs handed out by the batch API: ``{token: _LfsUpload}`` (the presigned URL).
+        self._lfs_pending: dict[str, _LfsUpload] = {}
+        #: The ``transfers`` each LFS batch request offered (``"xet"`` when the client has it).
+        self.lfs_transfers: list[tuple[str, ...]] = []
         self._roles: dict[str, str] = {t: "read" for t in read_tokens}
         self._roles.update({t: "write" for t in tokens})
         self.user = user
@@ -620,7 +663,14 @@ class FakeHub:
             ("POST", f"{kp}/branch/{{branch}}", "branch", self._h_branch),
             ("GET", kp, "repo_info", self._h_repo_info),
             ("GET", f"{kp}/revision/{{rev}}", "repo_info", self._h_repo_info),
+            ("PUT", "/__s3/{token}", "lfs_upload", self._h_lfs_put),
+            ("PUT", "/__s3/{token}/{part}", "lfs_upload", self._h_lfs_put),
+            ("POST", "/__lfs/complete/{token}", "lfs_complete", self._h_lfs_complete),
+            ("POST", "/__lfs/verify/{kind}/{ns}/{name}", "lfs_verify", self._h_lfs_verify),
         ]
+        for prefix, kind in (("/datasets", "dataset"), ("/spaces", "space"), ("", "model")):
+            path = f"{prefix}/{{ns}}/{{name}}.git/info/lfs/objects/batch"
+            routes.append(("POST", path, "lfs_batch", self._lfs_batch_handler(kind)))
         for prefix, kind in (("/datasets", "dataset"), ("/spaces", "space"), ("", "model")):
             path = f"{prefix}/{{ns}}/{{name}}/resolve/{{rev}}/{{path:.+}}"
             handler = self._resolve_handler(kind)
@@ -735,10 +785,10 @@ class FakeHub:
             raise _HubError(status, "Repository not found", code="RepoNotFound")
         return repo
 
-    def _write_repo(self, request: web.Request, caller: _Caller) -> _Repo:
+    def _write_repo(self, request: web.Request, caller: _Caller, kind: str | None = None) -> _Repo:
         if caller.role is None:
             raise _HubError(401, "Invalid username or password.")
-        repo = self._read_repo(request, caller)
+        repo = self._read_repo(request, caller, kind)
         if caller.role != "write":
             raise _HubError(
                 403, "You have read access but not the required permissions for this operation."
@@ -851,15 +901,23 @@ class FakeHub:
                     base64.b64decode(sample, validate=True)
                 except binascii.Error:
                     raise _HubError(400, f"sample of {path} is not base64") from None
-                # Every file goes up "regular" (no LFS/Xet ever); ``oid`` lets the client skip
-                # a file whose content is already there, compared to its git sha1.
+                # As the Hub decides: LFS by the repo's .gitattributes, size or a binary
+                # sample. ``oid`` lets the client skip a file whose content is already there:
+                # the sha256 of an LFS file, the git sha1 of a regular one.
+                lfs = self.lfs_uploads and size > 0 and self._wants_lfs(current, path, size, sample)
                 old = current.get(path)
+                if old is None:
+                    oid = None
+                elif lfs:
+                    oid = hashlib.sha256(old).hexdigest()
+                else:
+                    oid = git_blob_sha1(old)
                 out.append(
                     {
                         "path": path,
-                        "uploadMode": "regular",
+                        "uploadMode": "lfs" if lfs else "regular",
                         "shouldIgnore": False,
-                        "oid": git_blob_sha1(old) if old is not None else None,
+                        "oid": oid,
                     }
                 )
         return web.json_response({"files": out, "commitOid": repo.refs[rev]})
@@ -884,6 +942,7 @@ class FakeHub:
         if not isinstance(summary, str) or not summary.strip():
             raise _HubError(400, "the commit summary must not be empty")
         added: dict[str, bytes] = {}
+        lfs_files: dict[str, dict[str, Any]] = {}
         deleted: list[str] = []
         for item in lines[1:]:
             key, value = item.get("key"), item.get("value") or {}
@@ -897,22 +956,27 @@ class FakeHub:
                     raise _HubError(400, f"file {path}: content is not valid base64") from None
             elif key == "lfsFile":
                 path = _check_path(value.get("path"))
-                # Preupload never offered LFS, so no LFS object was ever uploaded.
-                raise _HubError(
-                    422,
-                    f"Your push was rejected because an LFS pointer pointed to a file that does "
-                    f"not exist ({path}, oid {value.get('oid')})",
-                )
+                lfs_files[path] = value
             elif key == "deletedFile":
                 deleted.append(_check_path(value.get("path")))
             elif key == "deletedFolder":
                 deleted.append(_check_path(str(value.get("path", "")).rstrip("/")) + "/")
             else:
                 raise _HubError(400, f"unknown commit operation {key!r}")
-        request[_FILES] = (*added, *deleted)
+        request[_FILES] = (*added, *lfs_files, *deleted)
         repo = self._write_repo(request, caller)
         rev = request.match_info["rev"]
         with self._lock:
+            stored = self._lfs.get((repo.kind, repo.repo_id), {})
+            for path, value in lfs_files.items():
+                data = stored.get(str(value.get("oid")))
+                if value.get("algo") != "sha256" or data is None or len(data) != value.get("size"):
+                    raise _HubError(
+                        422,
+                        f"Your push was rejected because an LFS pointer pointed to a file that "
+                        f"does not exist ({path}, oid {value.get('oid')})",
+                    )
+                added[path] = data
             if rev not in repo.refs:
                 raise _HubError(404, f"Invalid rev id: {rev}", code="RevisionNotFound")
             head = repo.commits[repo.refs[rev]]
@@ -934,6 +998,138 @@ class FakeHub:
                 "hookOutput": "",
             }
         )
+
+    # ---- Git LFS uploads (HF_HUB_DISABLE_XET=1: the batch API, then PUTs to "S3") ----------
+
+    def _wants_lfs(self, files: Mapping[str, bytes], path: str, size: int, sample: str) -> bool:
+        if size > self.lfs_threshold or b"\x00" in base64.b64decode(sample):
+            return True
+        return self.is_lfs({**files, path: b""}, path)
+
+    def _lfs_batch_handler(self, kind: str) -> _Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._h_lfs_batch(request, kind)
+
+        return handler
+
+    async def _h_lfs_batch(self, request: web.Request, kind: str) -> web.StreamResponse:
+        caller = self._caller(request)
+        body = await _json_body(request)
+        repo = self._write_repo(request, caller, kind)
+        if body.get("operation") != "upload" or body.get("hash_algo", "sha256") != "sha256":
+            raise _HubError(400, "only sha256 uploads are supported")
+        objects = body.get("objects")
+        if not isinstance(objects, list) or not objects:
+            raise _HubError(400, "objects must be a non-empty list")
+        transfers = body.get("transfers") or ["basic"]
+        with self._lock:
+            self.lfs_transfers.append(tuple(map(str, transfers)))
+        out = []
+        with self._lock:
+            stored = self._lfs.setdefault((repo.kind, repo.repo_id), {})
+            for obj in objects:
+                oid, size = obj.get("oid") if isinstance(obj, dict) else None, None
+                if isinstance(obj, dict):
+                    size = obj.get("size")
+                if not isinstance(oid, str) or not re.fullmatch(r"[0-9a-f]{64}", oid):
+                    raise _HubError(422, f"invalid oid {oid!r}")
+                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                    raise _HubError(422, f"invalid size for {oid}")
+                if oid in stored and len(stored[oid]) == size:
+                    out.append({"oid": oid, "size": size})  # already there: no actions
+                    continue
+                token = uuid.uuid4().hex
+                self._lfs_pending[token] = _LfsUpload(repo.kind, repo.repo_id, oid, size)
+                base = self._base(request)
+                verify = {
+                    "href": f"{base}/__lfs/verify/{repo.kind}/{repo.repo_id}",
+                    "header": {},
+                }
+                if size > self.lfs_chunk_size and "multipart" in transfers:
+                    count = -(-size // self.lfs_chunk_size)
+                    header: dict[str, str] = {"chunk_size": str(self.lfs_chunk_size)}
+                    header.update(
+                        {f"{n:05d}": f"{base}/__s3/{token}/{n}" for n in range(1, count + 1)}
+                    )
+                    upload = {"href": f"{base}/__lfs/complete/{token}", "header": header}
+                else:
+                    upload = {"href": f"{base}/__s3/{token}"}
+                out.append(
+                    {"oid": oid, "size": size, "actions": {"upload": upload, "verify": verify}}
+                )
+        return web.json_response(
+            {
+                "transfer": "multipart" if any("chunk_size" in str(o) for o in out) else "basic",
+                "objects": out,
+            },
+            content_type="application/vnd.git-lfs+json",
+        )
+
+    async def _h_lfs_put(self, request: web.Request) -> web.StreamResponse:
+        # The presigned "S3" URL: no Authorization, the token in the URL is the credential.
+        with self._lock:
+            pending = self._lfs_pending.get(request.match_info["token"])
+        if pending is None:
+            raise _HubError(403, "Request has expired or the signature does not match")
+        request[_FILES] = (pending.oid,)
+        digest = hashlib.sha256()
+        chunks = []
+        async for chunk in request.content.iter_chunked(1 << 20):
+            chunks.append(chunk)
+            digest.update(chunk)
+        data = b"".join(chunks)
+        part = request.match_info.get("part")
+        if part is not None:
+            with self._lock:
+                pending.parts[int(part)] = data
+            return web.Response(headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+        if len(data) != pending.size or digest.hexdigest() != pending.oid:
+            raise _HubError(400, f"the uploaded object does not match {pending.oid}")
+        self._store_lfs(pending, data)
+        return web.Response(headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+
+    async def _h_lfs_complete(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        with self._lock:
+            pending = self._lfs_pending.get(request.match_info["token"])
+        if pending is None or body.get("oid") != pending.oid:
+            raise _HubError(404, "no such multipart upload")
+        request[_FILES] = (pending.oid,)
+        parts = body.get("parts")
+        if not isinstance(parts, list) or [p.get("partNumber") for p in parts] != list(
+            range(1, len(pending.parts) + 1)
+        ):
+            raise _HubError(400, "parts must list every uploaded part in order")
+        for p in parts:
+            data = pending.parts[p["partNumber"]]
+            if p.get("etag") != f'"{hashlib.md5(data).hexdigest()}"':
+                raise _HubError(400, f"part {p['partNumber']}: etag does not match")
+        data = b"".join(pending.parts[n] for n in sorted(pending.parts))
+        if len(data) != pending.size or hashlib.sha256(data).hexdigest() != pending.oid:
+            raise _HubError(400, f"the uploaded object does not match {pending.oid}")
+        self._store_lfs(pending, data)
+        return web.json_response({"oid": pending.oid})
+
+    def _store_lfs(self, pending: _LfsUpload, data: bytes) -> None:
+        with self._lock:
+            self._lfs.setdefault((pending.kind, pending.repo_id), {})[pending.oid] = data
+            for token, other in list(self._lfs_pending.items()):
+                if other is pending:
+                    del self._lfs_pending[token]
+
+    async def _h_lfs_verify(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        body = await _json_body(request)
+        kind = request.match_info["kind"]
+        if kind not in KINDS:
+            raise _HubError(404, "Not Found")
+        repo = self._write_repo(request, caller, kind)
+        oid, size = body.get("oid"), body.get("size")
+        with self._lock:
+            data = self._lfs.get((repo.kind, repo.repo_id), {}).get(str(oid))
+        if data is None or len(data) != size:
+            raise _HubError(404, f"Object {oid} not found")
+        return web.json_response({"oid": oid, "size": size})
 
     async def _h_branch(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
@@ -1125,7 +1321,7 @@ def _tag(family: str, handler: _Handler) -> _Handler:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    if request.content_type != "application/json":
+    if request.content_type not in ("application/json", "application/vnd.git-lfs+json"):
         raise _HubError(400, "Content-Type must be application/json")
     try:
         body = json.loads(await request.read())
@@ -1211,6 +1407,8 @@ def run_fake_hub(
     user: str = "fake-user",
     lfs_threshold: int = DEFAULT_LFS_THRESHOLD,
     tree_page_size: int = DEFAULT_TREE_PAGE_SIZE,
+    lfs_uploads: bool = True,
+    lfs_chunk_size: int = DEFAULT_LFS_CHUNK_SIZE,
 ) -> Iterator[FakeHub]:
     """Serve a :class:`FakeHub` on ``127.0.0.1`` (a free port) for the ``with`` block.
 
@@ -1222,6 +1420,8 @@ def run_fake_hub(
         user=user,
         lfs_threshold=lfs_threshold,
         tree_page_size=tree_page_size,
+        lfs_uploads=lfs_uploads,
+        lfs_chunk_size=lfs_chunk_size,
     )
     server = _ServerThread(hub)
     server.start()
