@@ -67,6 +67,10 @@ REPORT_SYNC_TIMEOUT_S = 120.0
 SAVE_NOW_TRIES = 6
 SAVE_NOW_WAIT_S = 0.25
 AGENT_FILES = ("state.json", "trainer.log", "preflight.json", "staging.json", "agent.log")
+#: During training the agent's own files (logs that only grow) go at most this often, seconds:
+#: at the first milestone, then at a milestone once this much time has passed. The final sync,
+#: a failure's report and teardown send them whatever the time.
+AGENT_FILES_EVERY_S = 300.0
 #: At most one warning line per path and distinct error in this many seconds.
 LOG_EVERY_S = 60.0
 #: How often a ledger that could not be written is tried again, seconds.
@@ -113,8 +117,12 @@ class SyncEngine:
         log_every_s: float = LOG_EVERY_S,
         ledger_retry_s: float = LEDGER_RETRY_S,
         stalled_after_s: float = STALLED_AFTER_S,
+        agent_files_every_s: float = AGENT_FILES_EVERY_S,
     ) -> None:
         self.sink = sink
+        self.agent_files_every_s = agent_files_every_s
+        #: When the agent's files were last queued at a milestone (clock), None before.
+        self._agent_files_at: float | None = None
         self.cfg = cfg
         self.state_dir = state_dir
         self.ledger = Ledger(state_dir / "sync-ledger.json")
@@ -189,6 +197,14 @@ class SyncEngine:
             return 0
         self.last_epoch_seen = n
         extra = list(extra_files)
+        now = self._clock()
+        recent = self._agent_files_at is not None and now - self._agent_files_at < (
+            self.agent_files_every_s
+        )
+        if recent:
+            extra = []  # logs that only grow: not every epoch (AGENT_FILES_EVERY_S)
+        if extra:
+            self._agent_files_at = now
         async with self._files:
             weights = run_dir / "weights"
             queued = 0
@@ -301,6 +317,16 @@ class SyncEngine:
         log.info("final sync: %d file(s) queued", queued)
         return queued
 
+    def _unchanged(self, src: Path, remote_path: str) -> bool:
+        """Whether ``src`` is, by its identity (:class:`~agent.sinks.Digests`: any write changes
+        its ctime), the version the target holds or is about to: then nothing is copied."""
+        try:
+            st = src.stat()
+        except OSError:
+            return False
+        digest = DIGESTS.peek(st)
+        return digest is not None and self._expected(remote_path) == (digest, st.st_size)
+
     def _expected(self, remote_path: str) -> tuple[str, int] | None:
         """(sha256, size) of what the target holds or is about to: the queued version, else
         the one being sent, else the verified one."""
@@ -352,6 +378,8 @@ class SyncEngine:
         *,
         checkpoint: bool = True,
     ) -> Queued:
+        if self._unchanged(src, remote_path):
+            return "unchanged"
         try:
             snap = await asyncio.to_thread(self.snapshots.take, src, checkpoint=checkpoint)
         except OSError as exc:  # take() catches its own; listing the folder can still fail

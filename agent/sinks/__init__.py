@@ -113,6 +113,11 @@ class Digests:
             self.misses += digest is None
             return digest
 
+    def peek(self, st: os.stat_result) -> str | None:
+        """Like :meth:`lookup`, for a caller that reads nothing when it finds nothing."""
+        with self._lock:
+            return self._known.get(self.identity(st))
+
     def sha256(self, path: Path) -> str:
         """The file's sha256, from memory when this version of it was hashed before. Raises
         OSError like :func:`sha256_file`."""
