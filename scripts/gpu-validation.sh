@@ -28,7 +28,8 @@ if [ "$only" = issue15 ]; then
 # start-up, teardown read-back, Hub sha256 == local, agent peak RSS and CPU; (2) the yolox-n job
 # under `agent stop`, an agent SIGKILL (a second agent re-attaches), a reboot-style kill (agent
 # and trainer tree, another boot id: resume); (3) bench/run.py P1,P6,P7 on this device.
-# DEVICE=cpu rehearses it all on a CPU box with smaller settings (the bench only with BENCH=1;
+# Hub transfers keep the agent's default (HF_HUB_DISABLE_XET unset: checkpoints go up over Git
+# LFS, which the fake speaks). DEVICE=cpu rehearses it all on a CPU box with smaller settings (the bench only with BENCH=1;
 # BENCH=0 skips it on a GPU).
 R="$OUT/issue15.txt"; B=/tmp/i15; DEV="${DEVICE:-0}"
 rm -rf "$B"; mkdir -p "$B"
@@ -59,7 +60,7 @@ fi
 # is added per job (Vast sets it in every instance). Nothing of it is exported to the bench.
 # shellcheck disable=SC2054  # NO_PROXY's value is a comma list, not array elements
 HUBENV=(HF_ENDPOINT="$HF_ENDPOINT" HF_TOKEN="$HF_TOKEN" HF_HOME="$B/hf" HF_HUB_DISABLE_TELEMETRY=1
-  HF_HUB_DISABLE_XET=1 NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
+  NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
   VAST_API_KEY="$VAST_API_KEY")
 unset HF_ENDPOINT HF_TOKEN VAST_API_KEY   # in case the caller had them exported
 mkjob() { # $1 dir, $2 job name, $3 model, $4 epochs
@@ -176,6 +177,9 @@ echo "-- (2c) agent + trainer tree SIGKILLed at epoch $e ($(cat "$D/kill.txt"));
 grep -E "rebooted|resum" "$D/agent2.log" | head -4 | cut -c1-220 | sed 's/^/  log: /' >> "$R"
 CONTAINER_ID=$iid $H15 report "$D" i15-reboot "$B/serve" >> "$R" 2>&1
 unset LIBREYOLO_AGENT_STATE_DIR
+# How the checkpoints went up (the agent's default: Git LFS, HF_HUB_DISABLE_XET unset above).
+python3 -c 'import json,sys; print("-- fake Hub requests by route:", json.load(open(sys.argv[1]))["hub_routes"])' \
+  "$B/serve/vast.json" >> "$R" 2>&1
 i15_cleanup
 
 # (3) the benchmark on this device

@@ -108,8 +108,13 @@ def serve(out: Path) -> int:
                     }
                     for c in vast.requests
                 ]
+            routes: dict[str, int] = {}
+            for r in hub.requests:
+                key = f"{r.method} {r.route}"
+                routes[key] = routes.get(key, 0) + 1
             doc = {
                 "written_at": time.time(),
+                "hub_routes": routes,
                 "requests": calls,
                 "instances": {i: vast.instance(i) for i in INSTANCES},
             }
