@@ -104,12 +104,17 @@ class DatasetSection:
 @dataclass(frozen=True)
 class DataCheckSection:
     """Checks of the data YAML the trainer gets, staged or local (the ``[dataset]`` table's
-    ``doctor`` and ``allow_outside_paths``; a ``[dataset]`` table may hold only these two)."""
+    ``doctor``, ``doctor_first`` and ``allow_outside_paths``; a ``[dataset]`` table may hold
+    only these three)."""
 
-    #: Run ``libreyolo doctor`` on the job's data YAML before the trainer starts; its errors
-    #: stop the job before any GPU time is spent. Default true; ``dataset.doctor = false``
-    #: opts out.
+    #: Run ``libreyolo doctor`` on the job's data YAML; its errors stop the job (reason
+    #: ``preflight_failed``). Default true; ``dataset.doctor = false`` opts out.
     doctor: bool = True
+    #: Make the trainer wait for the doctor. Default false: the doctor (which imports torch,
+    #: several billed seconds on a GPU box) runs beside the trainer's own start-up, and errors
+    #: it finds stop the trainer the moment it reports them. True: no trainer starts (and no
+    #: GPU time is spent) before the doctor has passed.
+    doctor_first: bool = False
     #: Let the staged data YAML's ``path:``, ``train:``, ``val:`` (and ``test:``) point outside
     #: the staged folder (``dataset.dest``). Default false: a downloaded dataset cannot make the
     #: trainer read, or LibreYOLO write caches into, other folders of the box.

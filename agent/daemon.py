@@ -265,6 +265,7 @@ class Daemon(TrainingMixin, ControlMixin):
         try:
             return await self._phases(resume_at)
         finally:
+            self._stop_doctor()
             await self._shutdown()
 
     def _adopt(self, previous: RunState | None) -> Phase | None:
@@ -336,6 +337,7 @@ class Daemon(TrainingMixin, ControlMixin):
                         staged.cancel()
                 if not passed:
                     await _abandon(staged)
+                    self._stop_doctor()
                     await self._sync_reports()
                     return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
                 may_stage.set()
@@ -369,6 +371,7 @@ class Daemon(TrainingMixin, ControlMixin):
             self._save()
             await self._watch_gpus()
             reason = await self._training()
+            self._stop_doctor()  # still running after the trainer: its verdict is moot
             if reason is None:
                 return 0  # the agent was asked to exit; the trainer goes on
             self.state.reason = reason
@@ -406,17 +409,22 @@ class Daemon(TrainingMixin, ControlMixin):
         assert self.flags is not None
         if after is not None:
             await after.wait()
+        stop = (self.flags.shutdown, self.flags.stop_job)
+        beside = self._doctor_beside()
         outcome = await staging.stage(
             self.job,
             self.env,
             hook=self.stage_hook,
-            stop=(self.flags.shutdown, self.flags.stop_job),
+            stop=stop,
+            doctor=False if beside else None,
         )
         if outcome.cause is not None:
             self.state.cause = outcome.cause
         if outcome.report is not None:
             self.staging_report = outcome.report
             self.store.write_report("staging.json", outcome.report)
+        if outcome.ok and beside and not any(e.is_set() for e in stop):
+            self._start_doctor(outcome.report)  # agent/doctor.py: the trainer need not wait
         return outcome.ok
 
     def _agent_files(self) -> list[Path]:

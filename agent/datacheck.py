@@ -113,7 +113,11 @@ class DataCheck:
 
 
 def run_doctor(
-    data_yaml: Path, *, timeout_s: float = 600, exe: str | None = None
+    data_yaml: Path,
+    *,
+    timeout_s: float = 600,
+    exe: str | None = None,
+    started: Callable[[subprocess.Popen[str]], object] | None = None,
 ) -> dict[str, Any]:
     """Run ``libreyolo doctor DATA json=true`` and return its JSON report.
 
@@ -122,6 +126,8 @@ def run_doctor(
     :class:`StagingError` when the doctor cannot be run or gives no report (e.g. exit 3, data
     not found); judging the report is the caller's business (:func:`check_data_yaml` does).
     ``exe`` is the libreyolo command; by default the one next to this Python, else on PATH.
+    ``started`` gets the doctor's process as soon as it runs: killing it ends this call (with a
+    :class:`StagingError`), which is how a doctor beside the trainer is cancelled.
     """
     exe = exe or find_libreyolo()
     if exe is None:
@@ -133,31 +139,36 @@ def run_doctor(
     # data=PATH rather than a positional: a path holding '=' would read as key=value.
     cmd = [exe, "doctor", f"data={data_yaml}", "json=true"]
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             errors="replace",
-            timeout=timeout_s,
             env=env,
             cwd=data_yaml.parent if data_yaml.parent.is_dir() else None,
-            check=False,
+            start_new_session=True,  # killed as a group (a doctor beside the trainer)
         )
-    except subprocess.TimeoutExpired:
-        raise StagingError(
-            f"libreyolo doctor did not finish within {timeout_s:g}s on {data_yaml}; set "
-            "dataset.doctor = false to skip it"
-        ) from None
     except OSError as exc:
         raise StagingError(
             f"cannot run {exe} ({exc.strerror or exc}); check the libreyolo install"
         ) from None
-    report = _parse_json_object(proc.stdout)
+    with proc:
+        if started is not None:
+            started(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise StagingError(
+                f"libreyolo doctor did not finish within {timeout_s:g}s on {data_yaml}; set "
+                "dataset.doctor = false to skip it"
+            ) from None
+    report = _parse_json_object(stdout)
     if report is None:
-        tail = one_line(
-            proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output", 200
-        )
+        tail = one_line(stderr.strip().splitlines()[-1] if stderr.strip() else "no output", 200)
         raise StagingError(
             f"libreyolo doctor exited {proc.returncode} without a JSON report on {data_yaml} "
             f"({tail}); run it by hand to see why, or set dataset.doctor = false"
@@ -180,6 +191,7 @@ def check_data_yaml(
     staged_root: Path | None,
     timeout_s: float = 600.0,
     find_libreyolo: Callable[[], str | None] = find_libreyolo,
+    started: Callable[[subprocess.Popen[str]], object] | None = None,
 ) -> DataCheck:
     """Check the data YAML a job trains on, staged or local, before the trainer starts.
 
@@ -233,8 +245,8 @@ def check_data_yaml(
         return DataCheck(
             data_yaml=path, root=root, doctor_status="skipped", warnings=[*warnings, skipped]
         )
-    started = time.monotonic()
-    report = run_doctor(path, timeout_s=timeout_s, exe=exe)
+    began = time.monotonic()
+    report = run_doctor(path, timeout_s=timeout_s, exe=exe, started=started)
     # Keep the report small enough for state files and /status (see _MAX_FINDING_PATHS).
     report["findings"] = _trim_findings(report)
     summary = report.get("summary")
@@ -263,7 +275,7 @@ def check_data_yaml(
         "dataset: doctor passed %s (%d warnings) in %.1fs",
         path,
         len(found),
-        time.monotonic() - started,
+        time.monotonic() - began,
     )
     for w in found:
         log.warning("dataset: doctor warning: %s", w)

@@ -215,6 +215,7 @@ def job_from_dict(
         t = Table("dataset", doc["dataset"], errors)
         data_check = DataCheckSection(
             doctor=t.bool_("doctor", data_check.doctor),
+            doctor_first=t.bool_("doctor_first", data_check.doctor_first),
             allow_outside_paths=t.bool_("allow_outside_paths", data_check.allow_outside_paths),
         )
         if any(k in t.data for k in _STAGING_KEYS):

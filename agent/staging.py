@@ -3,7 +3,9 @@
 Downloads and unpacks a Hub dataset (retrying what a network hiccup broke), runs the job's stage
 hook (the demo makes its synthetic dataset there), then checks the data YAML the trainer will
 use - staged or local - with the doctor on by default. A broken dataset is found here, before a
-GPU is paid for, not at epoch 0.
+GPU is paid for, not at epoch 0. The doctor (``libreyolo doctor``, which imports torch: seconds
+on a GPU box) runs beside the trainer's start-up unless ``dataset.doctor_first``: the daemon
+starts it with :func:`check_data` when staging is done and stops the trainer on its errors.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -42,9 +45,11 @@ async def stage(
     *,
     hook: StageHook | None,
     stop: tuple[asyncio.Event, ...],
+    doctor: bool | None = None,
 ) -> StagingOutcome:
-    """Stage ``job``'s dataset and check its data YAML. Returns early (ok) once any of the
-    ``stop`` events is set: the agent is exiting or the job was stopped, no trainer will start."""
+    """Stage ``job``'s dataset and check its data YAML (with the doctor when ``doctor``, by
+    default ``job.data_check.doctor``). Returns early (ok) once any of the ``stop`` events is
+    set: the agent is exiting or the job was stopped, no trainer will start."""
     report: dict[str, Any] | None = None
     if job.dataset is not None:
         from .dataset import StagingError, stage_dataset
@@ -88,12 +93,20 @@ async def stage(
         report = report or {"ok": True}
     if any(e.is_set() for e in stop):
         return StagingOutcome(True, report)  # no trainer will start: nothing to check
-    return await check_data(job, report)
+    return await check_data(job, report, doctor=doctor)
 
 
-async def check_data(job: Job, report: dict[str, Any] | None) -> StagingOutcome:
-    """The data YAML must read, stay inside a staged dataset, and (``dataset.doctor``, on by
-    default) pass ``libreyolo doctor``."""
+async def check_data(
+    job: Job,
+    report: dict[str, Any] | None,
+    *,
+    doctor: bool | None = None,
+    started: Callable[[subprocess.Popen[str]], object] | None = None,
+) -> StagingOutcome:
+    """The data YAML must read, stay inside a staged dataset, and (``doctor``, by default
+    ``dataset.doctor``, on by default) pass ``libreyolo doctor``, whose process is handed to
+    ``started`` as it starts (the daemon kills a doctor that runs beside the trainer when it
+    no longer matters)."""
     from .dataset import StagingError, check_data_yaml
 
     data = job.train.get("data")
@@ -104,9 +117,10 @@ async def check_data(job: Job, report: dict[str, Any] | None) -> StagingOutcome:
         check = await asyncio.to_thread(
             check_data_yaml,
             Path(str(data)),
-            doctor=job.data_check.doctor,
+            doctor=job.data_check.doctor if doctor is None else doctor,
             allow_outside_paths=job.data_check.allow_outside_paths,
             staged_root=job.dataset.dest if job.dataset is not None else None,
+            started=started,
         )
     except StagingError as exc:
         log.error("dataset check failed: %s", exc)

@@ -24,6 +24,7 @@ from typing import Any
 
 from . import diskwatch
 from .config import Env, Job, LimitsSection
+from .doctor import DoctorBesideMixin
 from .events import EventBus
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
@@ -63,7 +64,7 @@ PREEMPT_SURVIVAL_S = 300.0
 PREEMPT_UPLOAD_S = 120.0
 
 
-class TrainingMixin(RelaunchMixin, SizingMixin):
+class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
     # Provided by the daemon.
     job: Job
     env: Env
@@ -120,6 +121,11 @@ class TrainingMixin(RelaunchMixin, SizingMixin):
             stop_reason = await self._supervise_once()
             if stop_reason is _EXITING:
                 return None
+            if stop_reason is None and self._exit_code != 0:
+                bad_data = await self._doctor_after_exit()
+                if bad_data is not None:
+                    self.breach_message = bad_data
+                    stop_reason = Reason.PREFLIGHT_FAILED
             assert isinstance(stop_reason, Reason) or stop_reason is None
             reason = self._classify_and_reason(self._exit_code, stop_reason)
             if stop_reason is _LAUNCH_FAILED:
@@ -249,6 +255,9 @@ class TrainingMixin(RelaunchMixin, SizingMixin):
                     waiters.add(asyncio.ensure_future(event.wait()))
         if not flags.shutdown.is_set():
             waiters.add(asyncio.ensure_future(flags.shutdown.wait()))
+        doctor = self._doctor_waiter() if stop_task is None else None
+        if doctor is not None:
+            waiters.add(doctor)
         try:
             await asyncio.wait(
                 waiters, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
@@ -274,6 +283,11 @@ class TrainingMixin(RelaunchMixin, SizingMixin):
             )
             await self._save_now()
             return Reason.PREEMPTED
+        bad_data = self._doctor_verdict()
+        if bad_data is not None:
+            self.breach_message = bad_data
+            log.error("%s: stopping the trainer", bad_data)
+            return Reason.PREFLIGHT_FAILED
         if self.gpu is not None and self.box_fault is None:
             faults = await asyncio.to_thread(self.gpu.faults)
             if faults:

@@ -479,7 +479,8 @@ def test_a_broken_local_dataset_is_found_by_the_doctor_before_any_trainer_starts
     tmp_path: Path,
 ) -> None:
     # Seen: the doctor ran only for Hub-staged datasets and only when asked, so a broken local
-    # dataset was found by the GPU at epoch 0. It now runs for every job by default.
+    # dataset was found by the GPU at epoch 0. It now runs for every job by default; with
+    # doctor_first = true, before any trainer starts (tests/test_doctor_beside.py: the default).
     import shutil
 
     from agent import demo
@@ -487,8 +488,8 @@ def test_a_broken_local_dataset_is_found_by_the_doctor_before_any_trainer_starts
 
     data = demo.make_dataset(tmp_path / "ds")
     shutil.rmtree(tmp_path / "ds" / "images" / "val")
-    job = tiny_job(tmp_path, data, sections="[dataset]\n", doctor=True)
-    assert job.data_check.doctor
+    job = tiny_job(tmp_path, data, sections="[dataset]\ndoctor_first = true\n", doctor=True)
+    assert job.data_check.doctor and job.data_check.doctor_first
     env = env_for(tmp_path)
     code, daemon, _ = asyncio.run(run_daemon(job, env))
     assert code == 0

@@ -1,0 +1,66 @@
+"""The dataset doctor beside the trainer's start-up (agent/doctor.py), with the real daemon, the
+real ``libreyolo doctor`` and the real ``libreyolo train`` on a tiny synthetic dataset."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agent import demo
+from agent.state import Reason
+from tests.support import tiny_job
+from tests.test_daemon import env_for, history_phases, requires_libreyolo, run_daemon
+
+pytestmark = pytest.mark.training
+
+
+@requires_libreyolo
+def test_by_default_the_doctor_runs_beside_the_trainer_and_its_errors_stop_it(
+    tmp_path: Path,
+) -> None:
+    """The default (doctor_first = false): the trainer does not wait for the doctor's torch
+    import; the doctor's errors stop it (or, if LibreYOLO fails first on the same broken data,
+    explain its failure): reason preflight_failed, the doctor's findings in staging.json, one
+    launch and no resume of a run that can only fail again."""
+    data = demo.make_dataset(tmp_path / "ds")
+    shutil.rmtree(tmp_path / "ds" / "images" / "val")
+    job = tiny_job(tmp_path, data, sections="[dataset]\n", doctor=True, epochs=50)
+    assert job.data_check.doctor and not job.data_check.doctor_first
+    env = env_for(tmp_path)
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert daemon.state.launch is not None  # the trainer did not wait for the doctor
+    assert daemon.state.reason == Reason.PREFLIGHT_FAILED
+    cause = daemon.state.cause or ""
+    assert "libreyolo doctor found 1 error(s)" in cause
+    assert "'val' path(s) do not exist" in cause
+    phases = history_phases(env.state_dir)
+    assert phases[:2] == ["STAGING", "TRAINING"] and phases[-2:] == ["TEARDOWN", "DONE"]
+    assert not daemon.state.resumes
+    report = json.loads((env.state_dir / "staging.json").read_text())
+    assert report["ok"] is False
+    assert any(f["check_id"] == "config.path_not_found" for f in report["findings"])
+    log = (env.state_dir / "agent.log").read_text()
+    assert "libreyolo doctor runs beside the trainer" in log
+    assert log.count("trainer started pid=") == 1
+
+
+@requires_libreyolo
+def test_a_passing_doctor_beside_the_trainer_leaves_the_run_alone(tmp_path: Path) -> None:
+    data = demo.make_dataset(tmp_path / "ds")
+    job = tiny_job(tmp_path, data, sections="[dataset]\n", doctor=True, epochs=4)
+    env = env_for(tmp_path)
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert daemon.state.reason == Reason.COMPLETED
+    log = (env.state_dir / "agent.log").read_text()
+    assert "libreyolo doctor runs beside the trainer" in log
+    # The doctor (about 5 s here) ends before four tiny epochs do: its pass is on record.
+    assert "doctor passed" in log
+    report = json.loads((env.state_dir / "staging.json").read_text())
+    assert report["ok"] is True
+    assert report["data_check"]["doctor_status"] == "passed"
