@@ -87,6 +87,9 @@ def _demo_only_options(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .arenas import limit_arenas
+
+    limit_arenas()  # before any thread allocates (agent/arenas.py)
     refused = _demo_only_options(args)
     for message in refused:
         err(message)
