@@ -344,10 +344,9 @@ def report(d: Path, name: str, serve_dir: Path, t0: float | None) -> int:
             last = run_dir / "weights" / "last.pt" if run_dir is not None else None
             if last is not None and last.is_file():
                 print(
-                    f"  (last.pt is {last.stat().st_size / 2**20:.1f} MiB; the fake Hub takes "
-                    "every file inline, base64 in the commit body, where the real Hub takes "
-                    "checkpoints through LFS/Xet: transient buffers of that body are the likely "
-                    "reason VmHWM sits above the sampled VmRSS)"
+                    f"  (last.pt is {last.stat().st_size / 2**20:.1f} MiB; like the real Hub, "
+                    "the fake takes checkpoints through the Git LFS batch API, each streamed "
+                    "from its snapshot in PUTs)"
                 )
         except (OSError, ValueError, KeyError) as exc:
             print(f"  usage samples unreadable: {exc}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from agent import demo
 from agent.state import Reason
-from tests.support import tiny_job
+from tests.support import tiny_job, wait_for
 from tests.test_daemon import env_for, history_phases, requires_libreyolo, run_daemon
 
 pytestmark = pytest.mark.training
@@ -64,3 +65,37 @@ def test_a_passing_doctor_beside_the_trainer_leaves_the_run_alone(tmp_path: Path
     report = json.loads((env.state_dir / "staging.json").read_text())
     assert report["ok"] is True
     assert report["data_check"]["doctor_status"] == "passed"
+
+
+@requires_libreyolo
+def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
+    tmp_path: Path,
+) -> None:
+    """`agent stop` while the doctor still checks: the stop wins (stopped_by_user), and the
+    doctor's process group is killed with the job, not left running on the box."""
+    import aiohttp
+
+    from agent.daemon import Daemon
+    from tests.test_daemon import Probe
+
+    data = demo.make_dataset(tmp_path / "ds")
+    job = tiny_job(tmp_path, data, sections="[dataset]\n", doctor=True, epochs=50)
+    env = env_for(tmp_path)
+    seen: list[int] = []
+
+    async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        del probe, session
+        await wait_for(lambda: getattr(daemon, "_doctor_procs", None), timeout=60)
+        proc = daemon._doctor_procs[0]
+        seen.append(proc.pid)
+        assert proc.poll() is None  # still checking: the doctor imports torch first
+        assert daemon.flags is not None
+        daemon.flags.stop_job.set()
+
+    code, daemon, _ = asyncio.run(run_daemon(job, env, during=during))
+    assert code == 0
+    assert seen
+    assert daemon.state.reason == Reason.STOPPED_BY_USER
+    assert daemon._doctor_procs[0].poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(seen[0], 0)  # the group is gone

@@ -424,3 +424,24 @@ def test_a_commit_naming_an_object_never_uploaded_is_refused(hub: FakeHub) -> No
     )
     assert r.status_code == 422
     assert hub.file("model", REPO, "w.pt") is None
+
+
+def test_a_connection_dropped_mid_put_is_retried_and_nothing_half_written_is_committed(
+    hub: FakeHub, ckpt: Path
+) -> None:
+    """The Hub (its storage) goes away in the middle of the checkpoint's PUT: the client's own
+    retry or the next attempt lands it whole; no commit ever names a partial object."""
+    s = sink(hub)
+    s.prepare()
+    hub.reset("lfs_upload")
+    try:
+        s.upload(ckpt, "weights/last.pt")
+    except SinkError as exc:
+        assert exc.retryable
+        s.upload(ckpt, "weights/last.pt")
+    assert hub.file("model", REPO, "weights/last.pt") == ckpt.read_bytes()
+    puts = [r for r in hub.requests if r.route == "lfs_upload"]
+    assert len(puts) >= 2 and puts[0].status is None  # the first one was dropped
+    assert s.stat("weights/last.pt") == RemoteFile(
+        "weights/last.pt", ckpt.stat().st_size, sha256_file(ckpt)
+    )

@@ -44,34 +44,28 @@ def test_a_file_unchanged_since_its_hashed_version_is_not_copied_again(tmp_path:
 
     async def scenario() -> tuple[list[str], list[str], list[str], FaultySink]:
         engine, sink, copies = engine_with_counted_copies(tmp_path, remote, agent_files_every_s=0.0)
-        async with running(engine, sink):
-            write_epoch(run_dir, 1, total=3, best_epoch=1, save_period=0)
+
+        async def milestone(epoch: int) -> list[str]:
+            """One epoch written and synced; the names of the files copied for it."""
+            copies.names.clear()
+            write_epoch(run_dir, epoch, total=3, best_epoch=1, save_period=0)
             st = read_status(run_dir)
             assert st is not None
             await engine.on_epoch(run_dir, st, extra_files=[extra])
             assert await engine.drain(10)
-            first = list(copies.names)
-            copies.names.clear()
+            return list(copies.names)
+
+        async with running(engine, sink):
+            first = await milestone(1)
             # Epoch 2 rewrites last.pt, status.json and metrics.jsonl; best.pt and the extra
             # file are untouched.
-            write_epoch(run_dir, 2, total=3, best_epoch=1, save_period=0)
-            st = read_status(run_dir)
-            assert st is not None
-            await engine.on_epoch(run_dir, st, extra_files=[extra])
-            assert await engine.drain(10)
-            second = list(copies.names)
-            copies.names.clear()
+            second = await milestone(2)
             # Same bytes, same size, even the mtime put back: the ctime still moved, so the
             # file is copied and hashed anew (and found unchanged by its hash).
             stat = extra.stat()
             extra.write_text("written once\n")
             os.utime(extra, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-            write_epoch(run_dir, 3, total=3, best_epoch=1, save_period=0)
-            st = read_status(run_dir)
-            assert st is not None
-            await engine.on_epoch(run_dir, st, extra_files=[extra])
-            assert await engine.drain(10)
-            third = list(copies.names)
+            third = await milestone(3)
         return first, second, third, sink
 
     first, second, third, sink = asyncio.run(scenario())
