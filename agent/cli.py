@@ -113,6 +113,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from . import guardplan
 
         guardplan.check_environ()  # a typo in the guard's variables is exit 2, not a crash
+        broken = _hub_client_problem(job)
+        if broken is not None:
+            err(broken)
+            return EXIT_CONFIG
     else:
         demo_root = Path(args.demo_dir or demo.DEMO_DIR).resolve()
         job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)
@@ -150,6 +154,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     _print_summary(daemon, demo_root)
     return code
+
+
+def _hub_client_problem(job: Job) -> str | None:
+    """Why the Hub client this job needs (hf:// sync, a [dataset] download) cannot be loaded,
+    or None. A broken install (a missing dependency of huggingface_hub, seen on a real box) is
+    found here, with the fix, rather than as a crash of the agent in BOOTING that a restart
+    cannot mend; a job that never talks to the Hub never loads the client."""
+    hf_sync = job.sync is not None and job.sync.scheme == "hf"
+    needs = [what for what, yes in (("hf:// sync", hf_sync), ("[dataset]", job.dataset)) if yes]
+    if not needs:
+        return None
+    try:
+        from . import hub
+
+        hub._load()
+        if hf_sync:
+            from .sinks import hf  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"the Hugging Face client cannot be loaded ({type(exc).__name__}: {exc}); this job "
+            f"needs it for {' and '.join(needs)}: repair the install (pip install "
+            "--force-reinstall huggingface_hub, or ./install.sh again) and run the agent again"
+        )
+    return None
 
 
 def _print_ready(daemon: Daemon) -> None:
