@@ -377,13 +377,16 @@ def bare_run(tmp: Path, data: Path, cfg: Config) -> float | None:
 #: epoch of a real dataset lasts minutes; 30 s keeps the bench short and is on the safe side).
 LONG_EPOCH_S = 30.0
 LONG_CKPT_KB = 8_000
+#: Epochs per run; CPU is counted from the first epoch's last.pt to the second-to-last one's.
+LONG_EPOCHS = 4
 
 
 def long_epoch_cpu(cfg: Config, root: Path) -> tuple[list[float], list[float], list[float]]:
     """Agent CPU over epochs of a realistic length: % of one core from the first epoch's
-    last.pt to the last one's, and CPU seconds per epoch, per repeat. The tiny real training of
-    P1 has epochs of about a second, where the per-epoch sync work is most of the figure; a GPU
-    epoch lasts minutes. Third: % of one core between checkpoints (the loop's own polling)."""
+    last.pt to the second-to-last one's, and CPU seconds per epoch, per repeat. The tiny real
+    training of P1 has epochs of about a second, where the per-epoch sync work is most of the
+    figure; a GPU epoch lasts minutes. Third: % of one core between checkpoints (the loop's own
+    polling)."""
     pct: list[float] = []
     per_epoch: list[float] = []
     quiet: list[float] = []
@@ -401,13 +404,17 @@ def long_epoch_cpu(cfg: Config, root: Path) -> tuple[list[float], list[float], l
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            r = daemon_run(tmp, 3, lambda pid: None, epoch_s=LONG_EPOCH_S, ckpt_kb=LONG_CKPT_KB)
+            r = daemon_run(
+                tmp, LONG_EPOCHS, lambda pid: None, epoch_s=LONG_EPOCH_S, ckpt_kb=LONG_CKPT_KB
+            )
         finally:
             stop.set()
             sampler.join()
-        epochs = sorted(r.written)
+        # The window ends at the second-to-last epoch's last.pt: the agent returns moments
+        # after the last one, before the sampler may have looked again.
+        epochs = sorted(r.written)[:-1]
         if r.error or len(epochs) < 2:
-            say(f"  run {i + 1} not counted: {r.error or f'{len(epochs)} epoch(s) written'}")
+            say(f"  run {i + 1} not counted: {r.error or f'{len(epochs) + 1} epoch(s) written'}")
             continue
         t0, t1 = r.written[epochs[0]], r.written[epochs[-1]]
         c0 = next((c for t, c in reversed(samples) if t <= t0), None)
@@ -1021,10 +1028,12 @@ def bench_p5(cfg: Config, root: Path) -> Section:
         api = HfApi(endpoint=fake.url, token="hf_bench")
         rounds = cfg.p5_rounds * cfg.repeat
         for i in range(rounds + 1):  # round 0 warms both up and is not counted
-            path.write_bytes(os.urandom(cfg.p5_mb * MIB))
             order = ["sink", "raw"] if i % 2 else ["raw", "sink"]
             took: dict[str, float] = {}
             for who in order:
+                # New bytes for each: the Hub (and the fake) skips an LFS object it already
+                # holds, so the second of two uploads of one content would move nothing.
+                path.write_bytes(os.urandom(cfg.p5_mb * MIB))
                 t0 = time.perf_counter()
                 if who == "sink":
                     sink.upload(path, "weights/sink.pt")
