@@ -168,7 +168,7 @@ def _hub_client_problem(job: Job) -> str | None:
     try:
         from . import hub
 
-        hub._load()
+        hub.load()
         if hf_sync:
             from .sinks import hf  # noqa: F401
     except ImportError as exc:

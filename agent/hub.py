@@ -209,6 +209,12 @@ def _load() -> Any:
         return lib
 
 
+def load() -> None:
+    """Import ``huggingface_hub`` now (ImportError when the install is broken): ``agent run``
+    checks it before a job that needs the Hub starts, rather than crash in the middle."""
+    _load()
+
+
 def __getattr__(name: str) -> Any:
     """``hub_http`` (the installed library's HTTP client module) and ``CALL_ERRORS``, which
     need the library: loaded on first use."""

@@ -1022,15 +1022,15 @@ class FakeHub:
         if not isinstance(objects, list) or not objects:
             raise _HubError(400, "objects must be a non-empty list")
         transfers = body.get("transfers") or ["basic"]
+        out = []
+        chosen = "basic"
         with self._lock:
             self.lfs_transfers.append(tuple(map(str, transfers)))
-        out = []
-        with self._lock:
             stored = self._lfs.setdefault((repo.kind, repo.repo_id), {})
             for obj in objects:
-                oid, size = obj.get("oid") if isinstance(obj, dict) else None, None
-                if isinstance(obj, dict):
-                    size = obj.get("size")
+                if not isinstance(obj, dict):
+                    raise _HubError(422, "each object must be {oid, size}")
+                oid, size = obj.get("oid"), obj.get("size")
                 if not isinstance(oid, str) or not re.fullmatch(r"[0-9a-f]{64}", oid):
                     raise _HubError(422, f"invalid oid {oid!r}")
                 if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -1052,16 +1052,14 @@ class FakeHub:
                         {f"{n:05d}": f"{base}/__s3/{token}/{n}" for n in range(1, count + 1)}
                     )
                     upload = {"href": f"{base}/__lfs/complete/{token}", "header": header}
+                    chosen = "multipart"
                 else:
                     upload = {"href": f"{base}/__s3/{token}"}
                 out.append(
                     {"oid": oid, "size": size, "actions": {"upload": upload, "verify": verify}}
                 )
         return web.json_response(
-            {
-                "transfer": "multipart" if any("chunk_size" in str(o) for o in out) else "basic",
-                "objects": out,
-            },
+            {"transfer": chosen, "objects": out},
             content_type="application/vnd.git-lfs+json",
         )
 
