@@ -424,7 +424,7 @@ class Daemon(TrainingMixin, ControlMixin):
             self.staging_report = outcome.report
             self.store.write_report("staging.json", outcome.report)
         if outcome.ok and beside and not any(e.is_set() for e in stop):
-            self._start_doctor(outcome.report)  # agent/doctor.py: the trainer need not wait
+            self._queue_doctor(outcome.report)  # agent/doctor.py: the trainer need not wait
         return outcome.ok
 
     def _agent_files(self) -> list[Path]:

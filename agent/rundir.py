@@ -173,6 +173,11 @@ def epoch_snapshots(run_dir: Path) -> dict[int, Path]:
     return out
 
 
+def is_epoch_file(name: str) -> bool:
+    """``epoch_N.pt``: a ``save_period`` checkpoint."""
+    return _EPOCH_FILE.fullmatch(name) is not None
+
+
 def is_valid_checkpoint(path: Path) -> bool:
     """A ``.pt`` is a zip archive: a torn or truncated copy fails this without importing torch."""
     try:

@@ -20,12 +20,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .rundir import is_valid_checkpoint
 from .sinks import DIGESTS, copy_hashing, sha256_file
 from .text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
+if TYPE_CHECKING:
+    from .follow import CheckpointFollower
+
 log = logging.getLogger("agent.sync")
 
 _SEQ = re.compile(r"(\d+)-(.+)")
@@ -48,13 +52,16 @@ class Snapshot:
 class Snapshotter:
     """Copies live files to stable snapshots at the safe moment. ``copy`` is the one call that
     writes to the snapshot folder (tests inject a full disk there); when it returns the copied
-    bytes' sha256 (the default does, in the same pass) the snapshot is not read again to hash."""
+    bytes' sha256 (the default does, in the same pass) the snapshot is not read again to hash.
+    With a ``follower`` (``follow.py``), a checkpoint copied while it was written is used when
+    it is still the live file's version; no copy is made then."""
 
     def __init__(self, root: Path, *, copy: Callable[[Path, Path], object] = copy_hashing) -> None:
         self.root = root
         self.copy = copy
         self._seq: int | None = None
         self._lock = threading.Lock()
+        self.follower: CheckpointFollower | None = None
 
     def files(self) -> list[Path]:
         """Every file in the snapshot folder (partial ``.tmp`` copies included)."""
@@ -63,7 +70,8 @@ class Snapshotter:
         except FileNotFoundError:
             return []
 
-    def _next(self, name: str) -> Path:
+    def next_path(self, name: str) -> Path:
+        """The next snapshot's name for a source called ``name``."""
         with self._lock:
             if self._seq is None:
                 # A killed agent may have left snapshots behind: never reuse their names.
@@ -76,6 +84,10 @@ class Snapshotter:
         """Copy ``src``; None when it is missing, changed while copied (torn) or not a valid
         zip. When the copy itself fails (a full disk), the partial copy is deleted and the
         live file is checked in place instead (``live``). Never raises OSError."""
+        if checkpoint and self.follower is not None:
+            followed = self.follower.claim(src)
+            if followed is not None:
+                return followed
         try:
             before = src.stat()
         except FileNotFoundError:
@@ -83,7 +95,7 @@ class Snapshotter:
         except OSError as exc:
             log.warning("snapshot of %s skipped: %s", src.name, os_error(exc))
             return None
-        dst = self._next(src.name)
+        dst = self.next_path(src.name)
         tmp = dst.with_name(dst.name + ".tmp")
         try:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -534,6 +534,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
 
     async def _follow(self, launched_at: float) -> None:
         """Read the run dir (found by pid) and feed new epochs to the sync policy."""
+        self._doctor_when_started(status_seen=False, since_launch_s=self.clock() - launched_at)
         if self.run_dir is None and self.trainer is not None:
             self.run_dir = find_run_dir(
                 self.job.job.runs_dir, self.trainer.pids(), newer_than=launched_at - 5
@@ -545,9 +546,12 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 self._save()
         if self.run_dir is None:
             return
+        if self.sync is not None:
+            self.sync.follow(self.run_dir)
         status = read_status(self.run_dir)
         if status is None:
             return
+        self._doctor_when_started(status_seen=True, since_launch_s=0.0)
         previous = self.status
         self.status = status
         if previous is None or status.completed_epochs != previous.completed_epochs:

@@ -27,8 +27,9 @@ from typing import Any, Literal
 
 from .config import SyncSection
 from .crashpoints import crashpoint
+from .follow import CheckpointFollower
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
-from .rundir import SMALL_FILES, RunStatus, epoch_snapshots
+from .rundir import SMALL_FILES, RunStatus, epoch_snapshots, is_epoch_file
 from .sinks import DIGESTS, RemoteFile, Sink, SinkError
 from .snapshots import (
     Snapshot,
@@ -118,6 +119,7 @@ class SyncEngine:
         ledger_retry_s: float = LEDGER_RETRY_S,
         stalled_after_s: float = STALLED_AFTER_S,
         agent_files_every_s: float = AGENT_FILES_EVERY_S,
+        follow: bool = True,
     ) -> None:
         self.sink = sink
         self.agent_files_every_s = agent_files_every_s
@@ -127,6 +129,9 @@ class SyncEngine:
         self.state_dir = state_dir
         self.ledger = Ledger(state_dir / "sync-ledger.json")
         self.snapshots = Snapshotter(state_dir / "snapshots")
+        #: Copies checkpoints as they are written (``follow.py``), once :meth:`follow` says where.
+        self.follower = CheckpointFollower(self.snapshots, self._wanted) if follow else None
+        self.snapshots.follower = self.follower
         self._clock = clock
         self._throttle = Throttle(log_every_s)
         self.uploads = UploadQueue(
@@ -149,6 +154,7 @@ class SyncEngine:
         self.sources_gone: list[str] = []
         # Milestone state
         self.last_epoch_seen = 0
+        self._total_epochs: int | None = None
         self._best_epoch_sent: int | None = None
         self._epoch_files_sent: set[int] = set()
         self.verify_result: VerifyResult | None = None
@@ -187,6 +193,21 @@ class SyncEngine:
 
     # ---------------------------------------------------------------- milestones
 
+    def follow(self, run_dir: Path) -> None:
+        """Copy this run's checkpoints while they are written (the first call starts it)."""
+        if self.follower is not None:
+            self.follower.watch(run_dir)
+
+    def _wanted(self, name: str) -> bool:
+        """Whether the next epoch's milestone will send ``weights/<name>`` (the follower's
+        question, from its thread): only those are copied while written."""
+        if name == "best.pt" or is_epoch_file(name):
+            return True
+        n, total = self.last_epoch_seen + 1, self._total_epochs
+        return name == "last.pt" and (
+            n % self.cfg.every_epochs == 0 or (total is not None and n >= total)
+        )
+
     async def on_epoch(
         self, run_dir: Path, status: RunStatus, *, extra_files: Iterable[Path] = ()
     ) -> int:
@@ -196,6 +217,7 @@ class SyncEngine:
         if n <= self.last_epoch_seen:
             return 0
         self.last_epoch_seen = n
+        self._total_epochs = status.total_epochs
         extra = list(extra_files)
         now = self._clock()
         recent = self._agent_files_at is not None and now - self._agent_files_at < (
@@ -517,6 +539,13 @@ class SyncEngine:
         flight) are kept for a restarted agent; once everything is verified the folder ends up
         empty. Returns how many files were removed."""
         async with self._files:
+            if self.follower is not None:
+                await asyncio.to_thread(self.follower.close)
+                log.info(
+                    "checkpoints copied while written: %d used as snapshots, %d thrown away",
+                    self.follower.claimed,
+                    self.follower.discarded,
+                )
             files, size = await asyncio.to_thread(
                 self.snapshots.remove_except, self.uploads.snapshot_files()
             )
@@ -665,6 +694,8 @@ class SyncEngine:
     async def close(self) -> None:
         """Stop the worker, cancel watchers; threads still sending are left to finish on their
         own."""
+        if self.follower is not None:
+            await asyncio.to_thread(self.follower.close)
         await self.uploads.close()
 
 

@@ -5,9 +5,14 @@ Modes (each a real process, so its memory and CPU are its own):
 
 ``trainer KEY=VALUE...``
     tests/fakes/scripted_trainer.py, unchanged, with ``write_checkpoint`` wrapped to append
-    ``{"name", "epoch", "t"}`` (``time.time()`` once the file is closed) to the JSON-lines file
-    named by ``bench_log=PATH``, and ``{"exit": t}`` when ``main`` returns (the process exits
-    right after). The scripted trainer ignores the extra key.
+    ``{"name", "epoch", "t", "write_s"}`` (``time.time()`` once the file is closed, and how long
+    the write took) to the JSON-lines file named by ``bench_log=PATH``, and ``{"exit": t}`` when
+    ``main`` returns (the process exits right after). With ``torch_save=1`` the checkpoints are
+    written by the real ``torch.save``, as LibreYOLO's are: a dict with the epoch and float32
+    tensors of ``ckpt_kb`` KiB in all (seeded by the epoch, so each epoch's bytes differ), which
+    torch writes in place, a write call per tensor, as a zip with data descriptors; otherwise
+    by the scripted trainer's own writer (a zip written in one go). The scripted trainer
+    ignores the extra keys.
 ``poll RUNS_DIR EVERY_S LOG``
     P1's anchor: every EVERY_S seconds, read the run's status.json and hash its weights/last.pt
     (the same reads the agent does), until status.json says the run ended.
@@ -30,7 +35,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -144,22 +152,130 @@ def _log(path: Path, **row: Any) -> None:
 # --------------------------------------------------------------------------------- processes
 
 
+#: Tensors in a ``torch_save=1`` checkpoint. torch.save writes each tensor's record with a
+#: write call of its own (one tensor: the whole payload in a single writev); LibreYOLO's
+#: checkpoints hold hundreds (model, EMA and optimizer state), whatever the model's size.
+CKPT_TENSORS = 256
+
+
+def torch_checkpoints() -> Callable[[Path, int, int], float]:
+    """A checkpoint writer that is the real ``torch.save`` (torch is imported here): it writes
+    ``{"epoch": epoch, "model": {name: tensor}}``, :data:`CKPT_TENSORS` float32 tensors of
+    ``payload_kb`` KiB in all, drawn from a generator seeded by the epoch (made once per epoch:
+    best.pt and last.pt of one epoch hold the same bytes, like LibreYOLO's). Returns the
+    seconds ``torch.save`` itself took."""
+    import torch
+
+    made: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def save(path: Path, epoch: int, payload_kb: int) -> float:
+        n = max(1, payload_kb * 1024 // 4)
+        if (epoch, n) not in made:
+            made.clear()  # one epoch's tensors alive at a time
+            gen = torch.Generator().manual_seed(epoch)
+            parts = min(CKPT_TENSORS, n)
+            made[epoch, n] = {
+                f"layer{i}.weight": torch.randn(n // parts + (i < n % parts), generator=gen)
+                for i in range(parts)
+            }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        torch.save({"epoch": epoch, "model": made[epoch, n]}, path)
+        return time.time() - t0
+
+    return save
+
+
 def timed_trainer(argv: list[str]) -> int:
     from tests.fakes import scripted_trainer as st
 
     opts = dict(a.partition("=")[::2] for a in argv)
     log = Path(opts["bench_log"])
     plain = st.write_checkpoint
+    # Imported before the first epoch, so that torch's import is not in any epoch's figures.
+    save = torch_checkpoints() if st.truthy(opts.get("torch_save", "0")) else None
 
     def write_checkpoint(path: Path, epoch: int, *, payload_kb: int = 4) -> None:
-        plain(path, epoch, payload_kb=payload_kb)
-        _log(log, name=path.name, epoch=epoch, t=time.time())
+        if save is not None:
+            took = save(path, epoch, payload_kb)
+        else:
+            t0 = time.time()
+            plain(path, epoch, payload_kb=payload_kb)
+            took = time.time() - t0
+        _log(log, name=path.name, epoch=epoch, t=time.time(), write_s=round(took, 4))
 
     st.write_checkpoint = write_checkpoint  # type: ignore[assignment]
     try:
         return st.main(argv)
     finally:
         _log(log, exit=time.time())
+
+
+class _Stub:
+    """Whatever a checkpoint's pickle would build from torch (a tensor, a storage type, a
+    dtype): takes any arguments and any state, and is nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+#: The real classes a checkpoint's pickle may name; anything else (torch.*) is a _Stub.
+_PICKLE_SAFE = {
+    ("builtins", name)
+    for name in (
+        "dict",
+        "list",
+        "tuple",
+        "set",
+        "frozenset",
+        "int",
+        "float",
+        "complex",
+        "bool",
+        "str",
+        "bytes",
+        "bytearray",
+        "slice",
+        "range",
+    )
+} | {("collections", "OrderedDict")}
+
+
+def checkpoint_epoch(path: Path) -> int | None:
+    """The epoch stored in a checkpoint, or None where it cannot be read (a torn copy): the
+    scripted trainer's (its data.pkl is JSON) or one written by ``torch.save`` (a dict with
+    ``"epoch"``), read without importing torch: the tensors' storages (persistent ids) are
+    None and torch's classes and functions are :class:`_Stub`."""
+    import io
+    import pickle
+    import zipfile
+
+    from tests.fakes.scripted_trainer import read_checkpoint_epoch
+
+    epoch = read_checkpoint_epoch(path)
+    if epoch is not None:
+        return epoch
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> None:
+            return None
+
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _PICKLE_SAFE:
+                return super().find_class(module, name)
+            return _Stub
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            pkl = min((n for n in zf.namelist() if n.endswith("/data.pkl")), key=len)
+            data = Unpickler(io.BytesIO(zf.read(pkl))).load()
+        value = data["epoch"]
+    except Exception:  # torn, not a zip, no data.pkl, not a dict: nothing to read
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _run_dir(runs: Path) -> Path | None:
@@ -187,8 +303,6 @@ def anchor_poll(runs: Path, every_s: float, log: Path) -> int:
 
 def anchor_sync(runs: Path, target: Path, every_s: float, first_s: float, log: Path) -> int:
     """Every ``every_s``: copy each changed checkpoint (size or mtime) to ``target``."""
-    from tests.fakes.scripted_trainer import read_checkpoint_epoch
-
     seen: dict[str, tuple[int, int]] = {}
     target.mkdir(parents=True, exist_ok=True)
     time.sleep(first_s)
@@ -209,7 +323,7 @@ def anchor_sync(runs: Path, target: Path, every_s: float, first_s: float, log: P
                     shutil.copyfile(src, dest)
                     seen[src.name] = key
                     # Not part of the naive loop: which epoch it caught (None: a torn copy).
-                    _log(log, name=src.name, t=started, epoch=read_checkpoint_epoch(dest))
+                    _log(log, name=src.name, t=started, epoch=checkpoint_epoch(dest))
         time.sleep(every_s)
 
 

@@ -7,10 +7,13 @@ run, repeated; medians and min-max written to bench/RESULTS.md, as measured.
   training (yolox-n, imgsz 64, on ``--device``, default ``cpu``): its own peak RSS
   (/proc/PID/status VmHWM) and CPU seconds per epoch; anchor, on the same training at the same
   time: a loop that every 20 s reads status.json and hashes last.pt (``bench/common.py poll``).
-- P2: checkpoint written (the scripted trainer's ``write_checkpoint`` returned) -> the sink's
-  ``upload`` of that epoch's last.pt entered, for several checkpoint sizes; the real Daemon
-  in-process; anchor on the same trainer at the same time: a loop that every 10 s copies
-  changed checkpoints (``bench/common.py sync``).
+- P2: the epoch's checkpoints written (its last ``torch.save`` returned; status.json comes
+  next) -> the sink's ``upload`` of that epoch's last.pt entered, for several checkpoint
+  sizes; the real Daemon in-process; the checkpoints written by the real ``torch.save``, as
+  LibreYOLO's are (a dict with the epoch and float32 tensors of the size, in place, a write
+  call per tensor, a zip with data descriptors: ``bench/common.py trainer torch_save=1``);
+  anchor on the same trainer at the same time: a loop that every 10 s copies changed
+  checkpoints (``bench/common.py sync``).
 - P3: the scripted trainer exits -> the agent's phase DONE (teardown provider none); anchor on
   the same trainer: a 60 s idle check (``bench/common.py idle``), started at a random phase.
 - P4: a spot notice on the fake metadata servers -> the sink's last.pt upload starts
@@ -54,8 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (
+    CKPT_TENSORS,
     REPO,
     THIS,
+    checkpoint_epoch,
     cpu_seconds,
     fmt_spread,
     machine,
@@ -651,9 +656,7 @@ class WallSink:
 
     def upload(self, local: Path, remote_path: str) -> None:
         t = time.time()
-        from tests.fakes.scripted_trainer import read_checkpoint_epoch
-
-        epoch = read_checkpoint_epoch(local) if remote_path.endswith(".pt") else None
+        epoch = checkpoint_epoch(local) if remote_path.endswith(".pt") else None
         with self._lock:
             self.uploads.append(Upload(remote_path, t, epoch))
         self.inner.upload(local, remote_path)
@@ -689,6 +692,7 @@ def make_launcher(log: Path, on_launch: Callable[[int], None], **options: object
 @dataclass
 class DaemonRun:
     written: dict[int, float]  # epoch -> last.pt written
+    #: epoch -> its last checkpoint written (best.pt comes after last.pt; status.json next)
     exit_at: float | None
     done_at: float | None
     returned_at: float
@@ -696,6 +700,8 @@ class DaemonRun:
     launched_pid: int | None
     code: int | None
     error: str | None
+    epoch_written: dict[int, float] = field(default_factory=dict)
+    write_s: list[float] = field(default_factory=list)  # each checkpoint write's seconds
 
 
 def daemon_run(
@@ -735,6 +741,11 @@ def daemon_run(
     returned = time.time()
     rows = read_jsonl(log)
     written = {int(r["epoch"]): float(r["t"]) for r in rows if r.get("name") == "last.pt"}
+    epoch_written: dict[int, float] = {}
+    for r in rows:
+        if str(r.get("name", "")).endswith(".pt"):
+            e = int(r["epoch"])
+            epoch_written[e] = max(epoch_written.get(e, 0.0), float(r["t"]))
     exit_at = next((float(r["exit"]) for r in rows if "exit" in r), None)
     return DaemonRun(
         written,
@@ -745,6 +756,8 @@ def daemon_run(
         pid[0] if pid else None,
         code,
         error,
+        epoch_written,
+        [float(r["write_s"]) for r in rows if "write_s" in r],
     )
 
 
@@ -758,7 +771,10 @@ def latencies(written: dict[int, float], caught: list[tuple[int | None, float]])
 
 
 def epoch_s(cfg: Config, kb: int) -> float:
-    """Epochs long enough for the checkpoint writes themselves (2 x size per epoch)."""
+    """Epochs long enough for the checkpoint writes themselves (2 x size per epoch): the
+    trainer's wait between epochs, at 50 MB/s (200 MB: 4 s). torch.save writes 200 MB in about
+    0.2-0.7 s on a 2-core machine, so best.pt and last.pt take well under 1.5 s an epoch, on
+    top of this wait."""
     return max(cfg.p2_epoch_s, kb / 50_000)
 
 
@@ -768,9 +784,12 @@ def bench_p2(cfg: Config, root: Path) -> Section:
     rng = random.Random()
     for kb in cfg.p2_sizes_kb:
         agent_lat: list[float] = []
+        from_last: list[float] = []  # from last.pt itself written (best.pt's save included)
+        best_lat: list[float] = []  # best.pt's upload, from the epoch's checkpoints written
         anchor_lat: list[float] = []
         epochs_total = agent_caught = anchor_caught = torn = 0
         exit_done: list[float] = []
+        write_s: list[float] = []
         for i in range(cfg.repeat):
             tmp = root / f"p2-{kb}-{i + 1}"
             tmp.mkdir()
@@ -810,6 +829,7 @@ def bench_p2(cfg: Config, root: Path) -> Section:
                     start_anchor,
                     epoch_s=epoch_s(cfg, kb),
                     ckpt_kb=kb,
+                    torch_save=1,
                 )
             finally:
                 for p in procs:
@@ -817,15 +837,19 @@ def bench_p2(cfg: Config, root: Path) -> Section:
             if r.error:
                 s.notes.append(f"{kb // 1000} MB run {i + 1}: the daemon failed: {r.error}")
             ups = [(u.epoch, u.t) for u in r.uploads if u.remote == "weights/last.pt"]
-            a = latencies(r.written, ups)
+            a = latencies(r.epoch_written, ups)
+            from_last += latencies(r.written, ups)
+            best_ups = [(u.epoch, u.t) for u in r.uploads if u.remote == "weights/best.pt"]
+            best_lat += latencies(r.epoch_written, best_ups)
             copies = [row for row in read_jsonl(anchor_log) if row.get("name") == "last.pt"]
-            b = latencies(r.written, [(c.get("epoch"), c["t"]) for c in copies])
+            b = latencies(r.epoch_written, [(c.get("epoch"), c["t"]) for c in copies])
             torn += sum(c.get("epoch") is None for c in copies)
             agent_lat += a
             anchor_lat += b
             epochs_total += len(r.written)
             agent_caught += len(a)
             anchor_caught += len(b)
+            write_s += r.write_s
             if r.exit_at is not None and r.done_at is not None:
                 exit_done.append(r.done_at - r.exit_at)
             say(f"  agent {fmt_spread(a, 's', 3)}; anchor {fmt_spread(b, 's', 3)}")
@@ -857,12 +881,29 @@ def bench_p2(cfg: Config, root: Path) -> Section:
         if torn:
             info.append(f"{size}: the anchor made {torn} torn copy(ies) of last.pt (mid-write).")
         info.append(
+            f"{size}: from last.pt itself written (the trainer's save of best.pt after it "
+            f"included): {fmt_spread(from_last, 's', 3)}."
+        )
+        info.append(
+            f"{size}: best.pt's upload request (written last, so its copy finishes after the "
+            f"write), from the epoch's checkpoints written: {fmt_spread(best_lat, 's', 3)}."
+        )
+        info.append(f"{size}: each torch.save of a checkpoint took {fmt_spread(write_s, 's', 3)}.")
+        info.append(
             f"{size}: trainer exit -> DONE in these runs (final sync and verification of "
             f"{size} checkpoints included): {fmt_spread(exit_done, 's', 3)}."
         )
     s.notes += [
-        "Written: the scripted trainer's `write_checkpoint` of that epoch's last.pt returned "
-        "(it writes status.json right after). Upload request: the sink's `upload` entered with "
+        "Written: the epoch's last checkpoint write returned (LibreYOLO, and the scripted "
+        "trainer, save last.pt, then best.pt, then write status.json: the agent may not send "
+        "last.pt before status.json says its epoch is complete, so the time the trainer spends "
+        "saving best.pt after last.pt is the trainer's, reported apart below). The "
+        "checkpoints are written by the real "
+        "`torch.save`, as LibreYOLO's are: a dict with the epoch and float32 tensors of the "
+        f"size ({CKPT_TENSORS} of them, seeded by the epoch), written in place, a write call "
+        "per tensor, "
+        "as a zip with data descriptors (`bench/common.py trainer torch_save=1`). Upload "
+        "request: the sink's `upload` entered with "
         "that epoch's snapshot (the real Daemon in-process, LocalSink, `[sync] every_epochs = "
         f"1`, {cfg.p2_epochs} epochs per run of "
         f"{', '.join(f'{epoch_s(cfg, kb):g} s ({kb / 1000:g} MB)' for kb in cfg.p2_sizes_kb)};"

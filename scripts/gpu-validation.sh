@@ -120,6 +120,8 @@ for model in yolox-n yolo9-t; do
   say "(1) $model: agent exit $rc after $(secs "$t0" "$t1") s"
   echo "-- (1) $model whole job: agent exit $rc, wall $(secs "$t0" "$t1") s" >> "$R"
   CONTAINER_ID=$iid $H15 report "$D" "i15-$model" "$B/serve" "$t0" >> "$R" 2>&1
+  # Checkpoints copied while LibreYOLO wrote them (agent/follow.py) and used as snapshots.
+  echo "  $(grep -ho 'checkpoints copied while written.*' "$D/state/agent.log" | tail -1)" >> "$R"
 done
 
 # (2) the yolox-n job, longer, under a stop, an agent SIGKILL and a reboot-style kill

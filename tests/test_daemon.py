@@ -149,6 +149,10 @@ def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
     assert daemon.sync is not None and daemon.sync.verify_result is not None
     assert daemon.sync.verify_result.sync_verified
     assert daemon.sync.last_synced_epoch == 3
+    # LibreYOLO's own torch.save checkpoints were copied while written (agent/follow.py) and
+    # those copies were what went up; nothing of them is left behind.
+    assert daemon.sync.follower is not None and daemon.sync.follower.claimed >= 1
+    assert not list((env.state_dir / "snapshots").glob("*"))
     # Teardown `none` recorded what it would do, and did nothing.
     td = daemon.state.teardown
     assert td is not None

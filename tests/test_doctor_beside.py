@@ -1,5 +1,5 @@
-"""The dataset doctor beside the trainer's start-up (agent/doctor.py), with the real daemon, the
-real ``libreyolo doctor`` and the real ``libreyolo train`` on a tiny synthetic dataset."""
+"""The dataset doctor beside the trainer (agent/doctor.py), with the real daemon, the real
+``libreyolo doctor`` and the real ``libreyolo train`` on a tiny synthetic dataset."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_by_default_the_doctor_runs_beside_the_trainer_and_its_errors_stop_it(
     assert report["ok"] is False
     assert any(f["check_id"] == "config.path_not_found" for f in report["findings"])
     log = (env.state_dir / "agent.log").read_text()
-    assert "libreyolo doctor runs beside the trainer" in log
+    assert "libreyolo doctor runs once the trainer has started" in log
+    assert "libreyolo doctor started beside the trainer" in log
     assert log.count("trainer started pid=") == 1
 
 
@@ -59,7 +60,11 @@ def test_a_passing_doctor_beside_the_trainer_leaves_the_run_alone(tmp_path: Path
     assert code == 0
     assert daemon.state.reason == Reason.COMPLETED
     log = (env.state_dir / "agent.log").read_text()
-    assert "libreyolo doctor runs beside the trainer" in log
+    assert "libreyolo doctor runs once the trainer has started" in log
+    # Started once the trainer's status.json was there (the run directory is found by it), so
+    # the two never import torch at the same time.
+    found = log.index("run directory: ")
+    assert log.index("trainer started pid=") < found < log.index("libreyolo doctor started")
     # The doctor (about 5 s here) ends before four tiny epochs do: its pass is on record.
     assert "doctor passed" in log
     report = json.loads((env.state_dir / "staging.json").read_text())
@@ -99,3 +104,33 @@ def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
     assert daemon._doctor_procs[0].poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(seen[0], 0)  # the group is gone
+
+
+def test_a_queued_doctor_starts_at_the_trainers_first_status_or_at_the_cap() -> None:
+    """When the doctor starts (the decision alone; the real runs are above): at the trainer's
+    first status.json, or DOCTOR_START_CAP_S after its launch for a trainer that has none yet,
+    and once."""
+    from agent.doctor import DOCTOR_START_CAP_S, DoctorBesideMixin
+
+    class Recorder(DoctorBesideMixin):
+        def __init__(self) -> None:
+            self.started: list[object] = []
+
+        def _start_doctor(self, report: dict[str, object] | None) -> None:
+            self._doctor_due = False
+            self.started.append(report)
+
+    slow = Recorder()
+    slow._queue_doctor({"ok": True})
+    slow._doctor_when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S - 1)
+    assert slow.started == []
+    slow._doctor_when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S)
+    assert slow.started == [{"ok": True}]
+    slow._doctor_when_started(status_seen=True, since_launch_s=0.0)
+    assert len(slow.started) == 1
+    quick = Recorder()
+    quick._doctor_when_started(status_seen=True, since_launch_s=99.0)
+    assert quick.started == []  # nothing queued: nothing starts
+    quick._queue_doctor(None)
+    quick._doctor_when_started(status_seen=True, since_launch_s=0.0)
+    assert quick.started == [None]
