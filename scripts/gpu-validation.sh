@@ -124,6 +124,8 @@ for model in yolox-n yolo9-t; do
   echo "  $(grep -ho 'checkpoints copied while written.*' "$D/state/agent.log" | tail -1)" >> "$R"
 done
 
+# WHOLE_ONLY=1: the whole jobs of (1) only (a short device budget).
+if [ "${WHOLE_ONLY:-0}" != 1 ]; then
 # (2) the yolox-n job, longer, under a stop, an agent SIGKILL and a reboot-style kill
 # (a) agent stop at epoch >= 2
 D="$B/stop"; mkdir -p "$D"; mkjob "$D" i15-stop yolox-n "$EP_KILL"; iid=1503
@@ -179,6 +181,7 @@ echo "-- (2c) agent + trainer tree SIGKILLed at epoch $e ($(cat "$D/kill.txt"));
 grep -E "rebooted|resum" "$D/agent2.log" | head -4 | cut -c1-220 | sed 's/^/  log: /' >> "$R"
 CONTAINER_ID=$iid $H15 report "$D" i15-reboot "$B/serve" >> "$R" 2>&1
 unset LIBREYOLO_AGENT_STATE_DIR
+fi
 # How the checkpoints went up (the agent's default: Git LFS, HF_HUB_DISABLE_XET unset above).
 python3 -c 'import json,sys; print("-- fake Hub requests by route:", json.load(open(sys.argv[1]))["hub_routes"])' \
   "$B/serve/vast.json" >> "$R" 2>&1

@@ -350,8 +350,10 @@ def test_configure_keeps_the_librarys_offline_guard() -> None:
 _UPLOAD_A_CHECKPOINT = """
     import json, sys
     from pathlib import Path
-    import huggingface_hub.constants
     from agent import hub
+
+    # As `agent run` does before anything else for a Hub job: the client is loaded first.
+    hub.load()
     from agent.config import Env
     from agent.sinks.hf import HubSink
     from tests.fakes.hub import run_fake_hub
@@ -368,6 +370,8 @@ _UPLOAD_A_CHECKPOINT = """
         stored = fake.file("model", "org/run", "weights/last.pt") == ckpt.read_bytes()
         transfers = [list(t) for t in fake.lfs_transfers]
         asked_xet = any("xet-write-token" in r.path for r in fake.requests)
+    # Imported only now: imported before the agent's, it would hide a switch set on nothing.
+    import huggingface_hub.constants
     print(json.dumps({"stored": stored, "transfers": transfers, "asked_xet": asked_xet,
                       "disable_xet": huggingface_hub.constants.HF_HUB_DISABLE_XET,
                       "hf_xet_loaded": "hf_xet" in sys.modules}))
