@@ -159,7 +159,7 @@ def _load() -> Any:
         if not xet_enabled():
             # The submodule itself: the package's lazy attributes do not include it until
             # something imports it, and a switch set on nothing would leave Xet on.
-            constants = importlib.import_module("huggingface_hub.constants")
+            constants: Any = importlib.import_module("huggingface_hub.constants")
             if hasattr(constants, "HF_HUB_DISABLE_XET"):
                 constants.HF_HUB_DISABLE_XET = True  # read at each transfer, never at import
         from huggingface_hub import HfApi, close_session, get_session, set_client_factory
