@@ -52,6 +52,7 @@ IN_MOVED_FROM = 0x40
 IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
 IN_DELETE = 0x200
+IN_Q_OVERFLOW = 0x4000
 IN_ISDIR = 0x40000000
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
@@ -283,11 +284,21 @@ class CheckpointFollower:
                     break
                 for wd, mask, name in events:
                     track = self._note(wd, mask, name)
-                    if track is not None and track not in touched:
+                    if mask & IN_Q_OVERFLOW:
+                        with self._lock:
+                            touched = list(self._tracks.values())
+                    elif track is not None and track not in touched:
                         touched.append(track)
         return touched
 
     def _note(self, wd: int, mask: int, name: str) -> _Track | None:
+        if mask & IN_Q_OVERFLOW:
+            # Events were lost: a write after a finished copy may be among them. Every copy
+            # is dropped (as if each file had been replaced); the epoch's end copies anew.
+            with self._lock:
+                for track in self._tracks.values():
+                    track.pending.append(IN_MOVED_FROM)
+            return None
         folder = self._dirs.get(wd)
         if folder is None or not name:
             return None

@@ -374,3 +374,54 @@ def test_concurrent_claims_and_writes_only_ever_yield_exact_copies(
         stop.set()
         t.join()
     assert got > 0
+
+
+def test_a_read_error_mid_follow_leaves_no_copy_and_the_epoch_end_copies(
+    follower: tuple[CheckpointFollower, Snapshotter, Copies, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk error while following (EIO on the read, which nothing else here can produce):
+    the follow gives up and deletes its partial copy; the epoch's end copies the file."""
+    f, snaps, copies, weights = follower
+    real = os.preadv
+    failed: list[int] = []
+
+    def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset > 0 and not failed:
+            failed.append(offset)
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", flaky)
+    data = torch_bytes(3, 300_000)
+    src = weights / "last.pt"
+
+    def pause(i: int) -> None:
+        if i == 6:
+            assert wait_for(lambda: bool(failed))
+
+    write_slowly(src, data, pause=pause)
+    assert wait_for(lambda: not tmp_copies(snaps))
+    snap = snaps.take(src, checkpoint=True)
+    assert snap is not None and snap.path.read_bytes() == data
+    assert copies.n == 1 and f.claimed == 0
+
+
+def test_lost_inotify_events_drop_every_finished_copy(
+    follower: tuple[CheckpointFollower, Snapshotter, Copies, Path],
+) -> None:
+    """The kernel's queue overflowed (IN_Q_OVERFLOW, which this test cannot make the kernel
+    send: it hands the follower the event): a write may have gone unseen, so no finished copy
+    is trusted and the epoch's end copies the file."""
+    from agent.follow import IN_Q_OVERFLOW
+
+    f, snaps, copies, weights = follower
+    src = weights / "last.pt"
+    write_slowly(src, torch_bytes(1, 50_000))
+    assert wait_for(lambda: any(not p.name.endswith(".tmp") for p in snaps.files()))
+    with f._events_lock:
+        f._note(-1, IN_Q_OVERFLOW, "")
+    snap = snaps.take(src, checkpoint=True)
+    assert snap is not None and snap.path.read_bytes() == src.read_bytes()
+    assert copies.n == 1 and f.claimed == 0
+    assert snaps.files() == [snap.path]  # the dropped copy is gone
