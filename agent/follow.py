@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .disk import disk_free
+from .diskwatch import NEED_FLOOR_BYTES
 from .sinks import DIGESTS, Digests
 from .snapshots import Snapshot, Snapshotter, unlink_quietly
 from .text import os_error
@@ -54,8 +56,6 @@ IN_CREATE = 0x100
 IN_DELETE = 0x200
 IN_Q_OVERFLOW = 0x4000
 IN_ISDIR = 0x40000000
-_IN_NONBLOCK = os.O_NONBLOCK
-_IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")
 _WEIGHTS_MASK = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE
 _RUN_MASK = IN_CREATE | IN_MOVED_TO
@@ -66,14 +66,6 @@ CHUNK = 256 * 1024
 #: After a batch of events, wait this long before reading the next: a write() is not an event
 #: to act on alone, and the trainer's writes of the next moments are read in one go, seconds.
 SETTLE_S = 0.01
-#: A follow stops when the snapshot disk has less than this free (bytes) beyond the file's
-#: previous size: the trainer's own write must never be the one that runs out of room.
-FREE_FLOOR_BYTES = 64 * 1024 * 1024
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 class _Inotify:
@@ -81,7 +73,7 @@ class _Inotify:
 
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
-        fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)  # IN_NONBLOCK, IN_CLOEXEC
         if fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
         self.fd: int = fd
@@ -159,8 +151,8 @@ class CheckpointFollower:
         snapshots: Snapshotter,
         wanted: Callable[[str], bool],
         *,
-        free: Callable[[Path], int] = free_bytes,
-        floor_bytes: int = FREE_FLOOR_BYTES,
+        free: Callable[[Path], int] = disk_free,
+        floor_bytes: int = NEED_FLOOR_BYTES,
         settle_s: float = SETTLE_S,
     ) -> None:
         self.snapshots = snapshots

@@ -26,10 +26,10 @@ from .rundir import is_valid_checkpoint
 from .sinks import DIGESTS, copy_hashing, sha256_file
 from .text import os_error
 
-# One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
 if TYPE_CHECKING:
     from .follow import CheckpointFollower
 
+# One logger for all of sync: its lines are grepped and asserted as ``agent.sync``.
 log = logging.getLogger("agent.sync")
 
 _SEQ = re.compile(r"(\d+)-(.+)")

@@ -1,8 +1,10 @@
 """Getting checkpoints off the box: the sync engine. It decides what to send when (the milestone
 policy), re-queues at start-up what a killed agent promised, verifies the target at the end and
 reports all of it for ``/status``. The parts live beside it: ``snapshots.py`` (stable copies of
-the files LibreYOLO rewrites in place), ``uploads.py`` (the queue: timeouts, backoff, read-back),
-``ledger.py`` (what the target must hold, persisted) and ``sinks/`` (the targets).
+the files LibreYOLO rewrites in place, made while they are written by ``follow.py``),
+``syncverify.py`` (the read-back of everything at the end), ``uploads.py`` (the queue:
+timeouts, backoff, read-back), ``ledger.py`` (what the target must hold, persisted) and
+``sinks/`` (the targets).
 
 Consistency rule (DESIGN.md): LibreYOLO writes checkpoints in place, before that epoch's
 status.json. When status.json says ``completed_epochs = N`` the weights of epoch N are whole, so
@@ -21,7 +23,6 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from .crashpoints import crashpoint
 from .follow import CheckpointFollower
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
 from .rundir import SMALL_FILES, RunStatus, epoch_snapshots, is_epoch_file
-from .sinks import DIGESTS, RemoteFile, Sink, SinkError
+from .sinks import DIGESTS, Sink
 from .snapshots import (
     Snapshot,
     Snapshotter,
@@ -40,8 +41,8 @@ from .snapshots import (
     unlink_quietly,
 )
 from .state import atomic_write_json
+from .syncverify import VerifyResult, verify_target
 from .text import os_error
-from .threads import in_daemon_thread
 from .uploads import Item, Throttle, UploadQueue
 
 __all__ = [
@@ -85,22 +86,6 @@ _AT_EXIT = re.compile(r"(last|best)\.at-exit\.pt")
 
 #: What became of one file the milestone policy asked for.
 Queued = Literal["queued", "unchanged", "unavailable"]
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """What the teardown gate reads: everything the ledger expects and every completed
-    checkpoint on disk is on the target, intact."""
-
-    sync_verified: bool
-    checked: int
-    missing: list[dict[str, Any]]
-    at: float
-    #: Files on disk that were not checked, and why (a checkpoint torn at exit).
-    skipped: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class SyncEngine:
@@ -606,65 +591,16 @@ class SyncEngine:
     async def verify_all(
         self, run_dir: Path | None = None, *, completed_epochs: int | None = None
     ) -> VerifyResult:
-        """Read back every path the ledger expects and compare size and sha256; with
-        ``run_dir``, also require every checkpoint on disk to be on the target: ``last.pt``,
-        ``best.pt`` (at their path or, after an unclean exit, as ``<name>.at-exit.pt``) and
-        each ``epoch_N.pt`` with N <= ``completed_epochs`` (None: all of them - call it once
-        the trainer has exited). A checkpoint that is not a valid zip is skipped, with a note."""
-        entries = list(self.ledger.entries.values())
-        read: dict[str, RemoteFile | None] = {}
-        missing: list[dict[str, Any]] = []
-        skipped: list[dict[str, Any]] = []
-
-        async def read_back(path: str) -> RemoteFile | None:
-            if path not in read:
-                read[path] = await asyncio.wait_for(
-                    asyncio.wrap_future(
-                        in_daemon_thread(self.sink.stat, path, name="sync-read-back")
-                    ),
-                    self.cfg.upload_timeout_s,
-                )
-            return read[path]
-
-        for e in entries:
-            try:
-                remote = await read_back(e.remote_path)
-            except (SinkError, OSError) as exc:  # TimeoutError is an OSError
-                missing.append({"path": e.remote_path, "problem": f"read-back failed: {exc}"})
-                continue
-            if remote is None:
-                missing.append({"path": e.remote_path, "problem": "not on the target"})
-            elif remote.sha256 != e.sha256 or remote.size != e.size:
-                missing.append(
-                    {
-                        "path": e.remote_path,
-                        "problem": f"hash mismatch: remote {remote.sha256[:12]} "
-                        f"size {remote.size}, expected {e.sha256[:12]} size {e.size}",
-                    }
-                )
-        checked = len(entries)
-        if run_dir is not None:
-            on_disk = await asyncio.to_thread(_checkpoints_on_disk, run_dir, completed_epochs)
-            for local, places in on_disk:
-                ident = await asyncio.to_thread(_checkpoint_identity, local)
-                if ident is None:
-                    skipped.append(
-                        {"path": places[0], "note": "not a valid zip archive (torn?): not checked"}
-                    )
-                    continue
-                checked += places[0] not in self.ledger.entries
-                problem = "on disk but not on the target"
-                for place in places:
-                    try:
-                        remote = await read_back(place)
-                    except (SinkError, OSError) as exc:  # TimeoutError is an OSError
-                        problem = f"on disk, read-back failed: {exc}"
-                        continue
-                    if remote is not None and (remote.sha256, remote.size) == ident:
-                        break
-                else:
-                    missing.append({"path": places[0], "problem": problem})
-        result = VerifyResult(not missing and checked > 0, checked, missing, self._clock(), skipped)
+        """Read back what the target must hold (:func:`~agent.syncverify.verify_target`),
+        keep the result for ``/status`` and write it to ``sync-result.json``."""
+        result = await verify_target(
+            self.sink,
+            list(self.ledger.entries.values()),
+            run_dir,
+            completed_epochs=completed_epochs,
+            timeout_s=self.cfg.upload_timeout_s,
+            now=self._clock,
+        )
         self.verify_result = result
         try:
             atomic_write_json(self.state_dir / "sync-result.json", result.to_dict(), mode=0o600)
@@ -703,25 +639,3 @@ def _source_name(name: str) -> str:
     """The run-directory file a stored name comes from: ``last.at-exit.pt`` is ``last.pt``."""
     m = _AT_EXIT.fullmatch(name)
     return f"{m.group(1)}.pt" if m else name
-
-
-def _checkpoints_on_disk(
-    run_dir: Path, completed_epochs: int | None
-) -> list[tuple[Path, list[str]]]:
-    """Checkpoints of completed epochs in ``run_dir/weights`` and where each may be stored."""
-    weights = run_dir / "weights"
-    out: list[tuple[Path, list[str]]] = []
-    for name in ("last.pt", "best.pt"):
-        if (weights / name).is_file():
-            stem = name.removesuffix(".pt")
-            out.append((weights / name, [f"weights/{name}", f"weights/{stem}.at-exit.pt"]))
-    for epoch, path in sorted(epoch_snapshots(run_dir).items()):
-        if completed_epochs is None or epoch <= completed_epochs:
-            out.append((path, [f"weights/{path.name}"]))
-    return out
-
-
-def _checkpoint_identity(path: Path) -> tuple[str, int] | None:
-    """(sha256, size) of a valid checkpoint; None when it is torn or gone."""
-    snap = live_snapshot(path, checkpoint=True)
-    return None if snap is None else (snap.sha256, snap.size)

@@ -327,13 +327,16 @@ def test_a_checkpoint_deleted_while_followed_leaves_nothing_and_close_cleans_up(
 
 
 def test_a_follower_thread_never_stops_the_take_when_inotify_is_unavailable(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A run dir that cannot be watched (gone): a warning, and takes copy as before."""
     snaps = Snapshotter(tmp_path / "snapshots")
     f = CheckpointFollower(snaps, lambda name: True)
     snaps.follower = f
-    f.watch(tmp_path / "missing-run")
+    with caplog.at_level("WARNING", logger="agent.sync"):
+        f.watch(tmp_path / "missing-run")
+    assert "checkpoints not followed while written" in caplog.text
+    assert f._thread is None  # nothing to follow: no thread
     src = tmp_path / "last.pt"
     src.write_bytes(torch_bytes(1, 1000))
     snap = snaps.take(src, checkpoint=True)
