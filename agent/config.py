@@ -284,6 +284,10 @@ class PreflightSection:
     #: built for another torch before training starts, but costs about 5 s on an H200 box.
     #: Off, that mismatch still fails the first training launch at once, with LibreYOLO's message.
     deep_import: bool = False
+    #: Run the torch probe in the trainer's own process, which then trains without importing
+    #: torch again (agent/warm_entry.py): about 4 s less billed start-up on an H200 box. Only
+    #: for one training process on at most one GPU, with ``[profile]`` off; off starts cold.
+    warm_start: bool = True
 
 
 #: What a sizing verdict that says the box is the wrong size does (``[profile] on_verdict``):

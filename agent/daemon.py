@@ -342,6 +342,7 @@ class Daemon(TrainingMixin, ControlMixin):
                     return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
                 may_stage.set()
             if self.flags.shutdown.is_set():
+                await self._drop_warm()
                 if staged is not None:
                     await _abandon(staged)
                 return 0
@@ -358,6 +359,7 @@ class Daemon(TrainingMixin, ControlMixin):
                 await self._sync_reports()
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.flags.shutdown.is_set():
+                await self._drop_warm()
                 return 0
             if self.flags.stop_job.is_set():
                 # Stopped before anything was trained: no trainer to start, nothing to sync.
@@ -371,6 +373,7 @@ class Daemon(TrainingMixin, ControlMixin):
             self._save()
             await self._watch_gpus()
             reason = await self._training()
+            await self._drop_warm()  # not launched (already done, or the agent is exiting)
             self._stop_doctor()  # still running after the trainer: its verdict is moot
             if reason is None:
                 return 0  # the agent was asked to exit; the trainer goes on
@@ -396,14 +399,59 @@ class Daemon(TrainingMixin, ControlMixin):
                 )
                 may_stage.set()
 
-        report, cause = await preflight.run_and_log(
-            self.job, self.env, on_storage_checked=storage_checked
-        )
+        warm = self._warm_start()
+        cause: str | None = "preflight did not finish"
+        try:
+            report, cause = await preflight.run_and_log(
+                self.job,
+                self.env,
+                on_storage_checked=storage_checked,
+                probe_runner=warm.probe if warm is not None else None,
+            )
+        finally:
+            if warm is not None and cause is None:
+                # Passed: the trainer's Python waits for its command line (the launch).
+                assert isinstance(self.launcher, ProcessLauncher)
+                self.launcher.warm = warm
+            elif warm is not None:
+                await asyncio.shield(warm.abort())
         self.preflight_report = report.to_dict()
         self.store.write_report("preflight.json", self.preflight_report)
         if cause is not None:
             self.state.cause = cause
         return cause is None
+
+    def _warm_start(self) -> Any:
+        """A :class:`agent.warmstart.WarmStart` when this job's trainer may run the probe in its
+        own process (``[preflight] warm_start``), else None."""
+        launcher = self.launcher
+        if not (
+            self.job.preflight.warm_start
+            and isinstance(launcher, ProcessLauncher)
+            and launcher.warm_start
+            and not self.job.profile.enabled  # the profiler measures the card: nothing on it
+        ):
+            return None
+        from .preflight.cuda import warm_probe_config
+        from .preflight.plan import plan_for
+        from .warmstart import WarmStart, libreyolo_beside_python
+
+        config = warm_probe_config(plan_for(self.job))
+        if config is None or libreyolo_beside_python() is None:
+            return None
+        return WarmStart(
+            config,
+            log_path=self.store.path("trainer.log"),
+            result_path=self.store.path("trainer-result.json"),
+            cwd=self.job.job.runs_dir,
+        )
+
+    async def _drop_warm(self) -> None:
+        """Call off a warm trainer that will not be launched (the job ends before training)."""
+        launcher = self.launcher
+        if isinstance(launcher, ProcessLauncher) and launcher.warm is not None:
+            warm, launcher.warm = launcher.warm, None
+            await warm.abort()
 
     async def _staging(self, *, after: asyncio.Event | None = None) -> bool:
         assert self.flags is not None
@@ -463,6 +511,7 @@ class Daemon(TrainingMixin, ControlMixin):
         await self.sync.send_reports(self._agent_files())
 
     async def _teardown_phase(self, reason: Reason, *, resumed: bool = False) -> int:
+        await self._drop_warm()
         if not resumed:
             transition(self.state, Phase.TEARDOWN, reason=reason)  # ... -> TEARDOWN
         else:

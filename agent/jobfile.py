@@ -321,6 +321,7 @@ def job_from_dict(
         allow_cpu=t.bool_("allow_cpu", d_pre.allow_cpu),
         timeout_s=t.duration("timeout", d_pre.timeout_s),
         deep_import=t.bool_("deep_import", d_pre.deep_import),
+        warm_start=t.bool_("warm_start", d_pre.warm_start),
     )
     t.finish()
 

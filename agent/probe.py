@@ -27,6 +27,11 @@ Config keys (all optional):
 ``libreyolo_deep``
     Also import its model classes, which imports torchvision (default false; about 5 s on an
     H200 box, overlapped with the GPU checks).
+``context_devices``
+    The GPU indices on which the probe may create a CUDA context (free memory, matmul); the
+    others get their properties read only and ``"skipped"`` set. Default: every visible GPU.
+    The warm start (``agent/warm_entry.py``) runs the probe in the trainer's own process, which
+    keeps its contexts for the whole training: there it lists only the job's GPU.
 """
 
 from __future__ import annotations
@@ -54,9 +59,14 @@ _MAX_TEXT = 2000
 _TORCH_DIR = f"{os.sep}torch{os.sep}"
 
 
+#: Where stage lines go: stderr, or the warm start's report pipe (``agent/warm_entry.py``).
+stage_out: Any = None
+
+
 def _stage(name: str) -> None:
-    sys.stderr.write(f"{STAGE_PREFIX}{name}\n")
-    sys.stderr.flush()
+    out = stage_out or sys.stderr
+    out.write(f"{STAGE_PREFIX}{name}\n")
+    out.flush()
 
 
 def _error_text(exc: BaseException) -> str:
@@ -166,6 +176,7 @@ def _cuda(doc: dict[str, Any], torch: Any, config: dict[str, Any], deadline: flo
 
     n = int(config.get("matmul_n", 2000))
     inputs: tuple[Any, Any, Any] | None = None
+    only = config.get("context_devices")
     for i in range(cuda["device_count"]):
         _stage(f"gpu{i}.properties")
         dev: dict[str, Any] = {"index": i}
@@ -177,6 +188,9 @@ def _cuda(doc: dict[str, Any], torch: Any, config: dict[str, Any], deadline: flo
             dev["capability"] = [int(props.major), int(props.minor)]
         except Exception as exc:
             dev["error"] = _error_text(exc)
+            continue
+        if only is not None and i not in only:
+            dev["skipped"] = "not used by this job"
             continue
         _stage(f"gpu{i}.mem_get_info")
         try:

@@ -235,6 +235,67 @@ def classify(
 LAUNCH_ENV = "LIBREYOLO_AGENT_LAUNCH_ID"
 
 
+def trainer_env(argv: list[str], launch_id: str | None) -> dict[str, str]:
+    """The environment a trainer starts with: ours, unbuffered, marked with its launch id, and
+    able to import this agent when it runs one of the agent's entry points."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if launch_id is not None:
+        env[LAUNCH_ENV] = launch_id
+    if any(a in ("agent.train_entry", "agent.warm_entry") for a in argv[:4]):
+        # The launcher must import this very agent, installed or run from a source tree.
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def spawn_detached(
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    log_path: Path,
+    result_path: Path,
+    cwd: Path,
+    header: str,
+    keep_fds: dict[int, int] | None = None,
+) -> int:
+    """Start ``argv`` in its own session in ``cwd``: stdin from /dev/null, stdout into
+    ``result_path`` (truncated), stderr appended to ``log_path`` after a ``header`` line.
+    ``keep_fds`` maps our descriptors to the numbers the child gets them as (none other is
+    inherited). Returns the pid; raises :class:`TrainerError`.
+
+    ``posix_spawn`` rather than asyncio's subprocess: an asyncio subprocess transport kills
+    its child when it is closed or garbage-collected, and the trainer must outlive the agent.
+    """
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    log_fd = -1
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cwd.mkdir(parents=True, exist_ok=True)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        if log_fd >= 0:
+            os.close(log_fd)
+        raise TrainerError(f"cannot create {exc.filename}: {exc.strerror}") from exc
+    actions: list[tuple[Any, ...]] = [
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, res_fd, 1),
+        (os.POSIX_SPAWN_DUP2, log_fd, 2),
+    ]
+    actions += [(os.POSIX_SPAWN_DUP2, ours, theirs) for ours, theirs in (keep_fds or {}).items()]
+    try:
+        os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {header}\n".encode())
+        # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.
+        shell = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', str(cwd), *argv]
+        return os.posix_spawn(shell[0], shell, env, file_actions=actions, setsid=True)
+    except OSError as exc:
+        raise TrainerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(log_fd)
+        os.close(res_fd)
+
+
 def find_launched(launch_id: str) -> psutil.Process | None:
     """The live process started with ``LAUNCH_ENV=launch_id`` (the trainer, or the tiny shell
     about to become it); None when there is none. The id is unique per launch, so a pid reused
@@ -361,49 +422,15 @@ class Trainer:
 
         ``launch_id`` goes into the trainer's environment (``LAUNCH_ENV``): an agent killed
         between this spawn and recording the pid finds the orphan by it (:func:`find_launched`).
-
-        ``posix_spawn`` rather than asyncio's subprocess: an asyncio subprocess transport kills
-        its child when it is closed or garbage-collected, and the trainer must outlive the agent.
         """
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        if launch_id is not None:
-            env[LAUNCH_ENV] = launch_id
-        if "agent.train_entry" in argv:
-            # The launcher must import this very agent, installed or run from a source tree.
-            root = str(Path(__file__).resolve().parent.parent)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        log_fd = -1
-        try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            cwd.mkdir(parents=True, exist_ok=True)
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            res_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as exc:
-            if log_fd >= 0:
-                os.close(log_fd)
-            raise TrainerError(f"cannot create {exc.filename}: {exc.strerror}") from exc
-        try:
-            os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {' '.join(argv)}\n".encode())
-            # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.
-            shell = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', str(cwd), *argv]
-            pid = os.posix_spawn(  # noqa: ASYNC221 (returns at once)
-                shell[0],
-                shell,
-                env,
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_DUP2, res_fd, 1),
-                    (os.POSIX_SPAWN_DUP2, log_fd, 2),
-                ],
-                setsid=True,
-            )
-        except OSError as exc:
-            raise TrainerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
-        finally:
-            os.close(log_fd)
-            os.close(res_fd)
+        pid = spawn_detached(
+            argv,
+            trainer_env(argv, launch_id),
+            log_path=log_path,
+            result_path=result_path,
+            cwd=cwd,
+            header=" ".join(argv),
+        )
         create_time = psutil.Process(pid).create_time()
         record = TrainerRecord(pid=pid, create_time=create_time, started_at=time.time(), argv=argv)
         log.info("trainer started pid=%d", pid)
@@ -590,8 +617,36 @@ class Launcher(Protocol):
         """The trainer a killed agent spawned but never recorded (blocking: a process scan)."""
 
 
+class WarmTrainer(Protocol):
+    """A trainer process started before the launch, waiting for its command line
+    (:class:`agent.warmstart.WarmStart`)."""
+
+    @property
+    def launch_id(self) -> str | None: ...
+
+    async def go(
+        self, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path, launch_id: str
+    ) -> Trainer | None: ...
+
+    async def abort(self) -> None: ...
+
+
 class ProcessLauncher:
-    """The real launcher: ``libreyolo train`` (or ``agent.train_entry``) as a detached process."""
+    """The real launcher: ``libreyolo train`` (or ``agent.train_entry``) as a detached process.
+
+    ``warm``: a trainer that ran preflight's probe in its own process and waits for its command
+    line (``agent/warm_entry.py``); the first launch hands it the command line instead of
+    starting a new process, when it can."""
+
+    #: Whether the daemon may start this launcher's first trainer warm (a subclass that runs
+    #: another trainer than ``libreyolo train`` says no).
+    warm_start = True
+    warm: WarmTrainer | None = None
+
+    @property
+    def reserved_launch_id(self) -> str | None:
+        """The launch id the warm trainer was started with, for the next launch's intent."""
+        return self.warm.launch_id if self.warm is not None else None
 
     def argv(self, job: Job) -> list[str]:
         return build_argv(job)
@@ -599,6 +654,13 @@ class ProcessLauncher:
     async def launch(
         self, argv: list[str], *, log_path: Path, result_path: Path, cwd: Path, launch_id: str
     ) -> TrainerProcess:
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            started = await warm.go(
+                argv, log_path=log_path, result_path=result_path, cwd=cwd, launch_id=launch_id
+            )
+            if started is not None:
+                return started
         return await Trainer.launch(
             argv, log_path=log_path, result_path=result_path, cwd=cwd, launch_id=launch_id
         )
@@ -638,7 +700,8 @@ async def start_once(
             intent["id"],
         )
     argv = argv or launcher.argv(job)
-    launch_id = uuid.uuid4().hex
+    # A warm trainer already carries its id (in its environment, from its start).
+    launch_id = getattr(launcher, "reserved_launch_id", None) or uuid.uuid4().hex
     record_intent({"id": launch_id, "argv": argv, "at": now})
     trainer = await launcher.launch(
         argv,

@@ -122,6 +122,9 @@ for model in yolox-n yolo9-t; do
   CONTAINER_ID=$iid $H15 report "$D" "i15-$model" "$B/serve" "$t0" >> "$R" 2>&1
   # Checkpoints copied while LibreYOLO wrote them (agent/follow.py) and used as snapshots.
   echo "  $(grep -ho 'checkpoints copied while written.*' "$D/state/agent.log" | tail -1)" >> "$R"
+  # The warm start: preflight's probe ran in the trainer's own Python (agent/warm_entry.py).
+  echo "  $(grep -ho 'preflight passed in.*' "$D/state/agent.log" | tail -1);" \
+    "$(grep -ho 'trainer started pid=.*' "$D/state/agent.log" | tail -1)" >> "$R"
 done
 
 # WHOLE_ONLY=1: the whole jobs of (1) only (a short device budget).

@@ -291,6 +291,9 @@ def test_demo_job_from_the_command_line(tmp_path: Path) -> None:
     # The demo allows CPU: on this machine preflight passes with the missing GPU shown.
     assert "preflight warning: cuda.available" in proc.stderr
     assert "preflight passed" in proc.stderr
+    # Started warm: the process that ran the probe trained (no second torch import).
+    assert "trainer started pid" in proc.stderr
+    assert "(warm: its Python ran the probe)" in proc.stderr
     assert "reason:     completed" in proc.stdout
     assert "verified:   True" in proc.stdout
     synced = tmp_path / "demo" / "synced" / "weights"

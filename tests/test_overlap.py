@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 from agent.config import Env, Job, PreflightSection
 from agent.daemon import Daemon
@@ -94,6 +97,14 @@ def test_a_failed_probe_does_not_wait_for_the_staging(tmp_path: Path) -> None:
     assert [h["to"] for h in steps] == ["PREFLIGHT", "TEARDOWN", "DONE"]
     done_at = float(steps[-1]["at"])  # type: ignore[arg-type]
     assert ended and done_at < ended[0]  # DONE came while the staging still ran
+    # The probe ran warm, in the trainer's own Python, which was called off untrained.
+    log = (env.state_dir / "agent.log").read_text()
+    found = re.search(r"warm start: trainer pid=(\d+) runs the GPU probe", log)
+    assert found is not None, log[-2000:]
+    pid = int(found.group(1))
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert (env.state_dir / "trainer-result.json").read_text() == ""
+    assert "started pid" not in log
 
 
 def test_a_dataset_the_hub_does_not_have_is_never_downloaded(tmp_path: Path) -> None:

@@ -29,7 +29,8 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from agent.config import Env, Job
 from agent.preflight.cloud import provider_check
@@ -43,6 +44,7 @@ from agent.preflight.cuda import (
     evaluate_nccl,
     probe_checks,
     probe_config,
+    warm_probe_config,
 )
 from agent.preflight.driver import (
     DRIVER_TIMEOUT_S,
@@ -105,7 +107,7 @@ from agent.preflight.report import (
     PreflightReport,
     format_table,
 )
-from agent.preflight.runner import KILL_GRACE_S, PROBE_PATH, run_probe
+from agent.preflight.runner import KILL_GRACE_S, PROBE_PATH, ProbeResult, run_probe
 from agent.text import format_bytes
 
 __all__ = [
@@ -169,8 +171,12 @@ __all__ = [
     "run_and_log",
     "run_preflight",
     "unpack_factor",
+    "warm_probe_config",
     "wheel_index",
 ]
+
+#: Runs the torch probe under a deadline (seconds) instead of preflight's own child Python.
+ProbeRunner = Callable[[float], Coroutine[Any, Any, ProbeResult]]
 
 log = logging.getLogger(__name__)
 #: Phase messages go to the daemon's log name, as they always did (agent.log is grepped).
@@ -184,6 +190,7 @@ async def run_preflight(
     python: str = sys.executable,
     extra_pythonpath: list[str] | None = None,
     on_storage_checked: Callable[[bool], object] | None = None,
+    probe_runner: ProbeRunner | None = None,
 ) -> PreflightReport:
     """Run every check and return the report; never raises for a problem of the machine.
 
@@ -195,12 +202,17 @@ async def run_preflight(
 
     ``on_storage_checked(ok)`` is called as soon as the disk and Hub checks are known (the probe
     still running): ``ok`` says none of them failed, so the dataset may be staged meanwhile.
+
+    ``probe_runner(timeout_s)`` runs the torch probe instead of a child Python: the warm start
+    (:class:`agent.warmstart.WarmStart`) runs it in the trainer's own process.
     """
     t0 = time.monotonic()
     plan = plan_for(job)
     async with asyncio.TaskGroup() as tg:
         probe_task = tg.create_task(
-            run_probe(python, probe_config(plan), plan.timeout_s, list(extra_pythonpath or []))
+            probe_runner(plan.timeout_s)
+            if probe_runner is not None
+            else run_probe(python, probe_config(plan), plan.timeout_s, list(extra_pythonpath or []))
         )
         driver_task = tg.create_task(read_driver(min(DRIVER_TIMEOUT_S, plan.timeout_s)))
         cloud_task = tg.create_task(provider_check(job, env, plan.timeout_s))
@@ -235,11 +247,17 @@ async def run_preflight(
 
 
 async def run_and_log(
-    job: Job, env: Env, *, on_storage_checked: Callable[[bool], object] | None = None
+    job: Job,
+    env: Env,
+    *,
+    on_storage_checked: Callable[[bool], object] | None = None,
+    probe_runner: ProbeRunner | None = None,
 ) -> tuple[PreflightReport, str | None]:
     """The PREFLIGHT phase: run the checks, log every warning with its fix and the verdict.
     Returns the report and, when it failed, the one-line cause for the run's record."""
-    report = await run_preflight(job, env, on_storage_checked=on_storage_checked)
+    report = await run_preflight(
+        job, env, on_storage_checked=on_storage_checked, probe_runner=probe_runner
+    )
     for check in report.warnings():
         fix = f" (fix: {check.fix})" if check.fix else ""
         phase_log.warning("preflight warning: %s: %s%s", check.name, check.value, fix)

@@ -57,6 +57,25 @@ def probe_config(plan: Plan) -> dict[str, Any]:
     }
 
 
+def warm_probe_config(plan: Plan) -> dict[str, Any] | None:
+    """The probe's config when it runs in the trainer's own process (``agent/warm_entry.py``),
+    or None when this job cannot start warm: only one training process on at most one GPU
+    (a DDP coordinator must hold no CUDA context). The probe touches only the job's GPU, and
+    imports LibreYOLO's training stack, which the trainer needs next anyway."""
+    if plan.generic or plan.nccl_devices is not None:
+        return None
+    kind = plan.device.kind
+    if kind == "gpus" and len(plan.device.ids) == 1:
+        devices = list(plan.device.ids)
+    elif kind == "auto":
+        devices = [0]  # LibreYOLO's "auto" is cuda:0
+    elif kind == "cpu":
+        devices = []
+    else:
+        return None
+    return {**probe_config(plan), "libreyolo_deep": True, "context_devices": devices}
+
+
 def probe_checks(probe: ProbeResult, plan: Plan, driver: DriverInfo) -> list[Check]:
     """Every check the probe's report (or its failure) gives, in report order."""
     checks = [_probe_check(probe, plan)]
@@ -352,6 +371,8 @@ def _gpu_checks(
         )
     else:
         extra = f", {format_bytes(free)} free" if free is not None else ""
+        if "skipped" in dev:
+            extra = f", {dev['skipped']}"
         checks.append(make_check(name, PASS, value + extra, **details))
 
     status, how = arch_support((major, minor), arch_list)
@@ -368,7 +389,10 @@ def _gpu_checks(
             arch_list=list(arch_list),
         )
     )
-    checks.append(evaluate_matmul(i, dev.get("matmul") or {}, (major, minor), driver_cuda))
+    if "skipped" not in dev:
+        # A GPU the job does not use (warm start: the probe runs in the trainer's own process,
+        # which must not keep a CUDA context on it) has no matmul to judge.
+        checks.append(evaluate_matmul(i, dev.get("matmul") or {}, (major, minor), driver_cuda))
     return checks
 
 

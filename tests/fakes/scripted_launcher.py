@@ -30,6 +30,9 @@ def _arg(value: object) -> str:
 class ScriptedLauncher(ProcessLauncher):
     """``ProcessLauncher`` whose trainer is ``python scripted_trainer.py <options> ...``."""
 
+    #: The scripted trainer is not ``libreyolo train``: never started warm.
+    warm_start = False
+
     def __init__(self, **options: object) -> None:
         self.options = {k: _arg(v) for k, v in options.items()}
         #: Every command line launched, in order (first launch, then each resume).

@@ -24,6 +24,10 @@ if SCENARIO.get("pid_file"):
     with open(SCENARIO["pid_file"], "a") as f:
         f.write(f"{os.getpid()}\n")
 
+if SCENARIO.get("chatter"):
+    # What a library prints on import, on stdout: it must never reach a result file.
+    print("stand-in torch: chatter on stdout", flush=True)
+
 _import = SCENARIO.get("import", "ok")
 if _import == "error":
     raise ImportError(

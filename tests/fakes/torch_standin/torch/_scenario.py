@@ -15,6 +15,9 @@ Keys (all optional)::
     nccl          "ok" | "hang" | "error" (DistBackendError nccl_error) | "wrong" | "missing"
     libreyolo     "ok" | "missing" | "broken"  (the stand-in libreyolo beside this torch)
     pid_file      every process importing the stand-in appends its pid there
+    chatter       print a line on stdout at import (it must not reach a result file)
+    train_s       the stand-in ``libreyolo.cli`` trains that many seconds
+    train_exit    ... then exits with this code
 """
 
 from __future__ import annotations

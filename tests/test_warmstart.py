@@ -1,0 +1,285 @@
+"""The warm start (agent/warmstart.py, agent/warm_entry.py): the trainer's own Python runs the
+torch probe, waits at a gate, and trains when the agent hands it the command line.
+
+Real processes throughout: the probe runs against the stand-in ``torch`` (GPU scenarios on a
+CPU machine) with the stand-in ``libreyolo.cli`` as the trainer, so that what this process had
+imported when it trained can be asserted; ``test_daemon``'s demo job runs the real
+``libreyolo train`` through the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from agent.config import Env
+from agent.daemon import Daemon
+from agent.jobfile import job_from_dict
+from agent.preflight import FAIL, PASS, run_preflight
+from agent.preflight.cuda import warm_probe_config
+from agent.preflight.plan import plan_for
+from agent.warm_entry import CALLED_OFF
+from agent.warmstart import WarmStart, libreyolo_beside_python
+from tests.test_preflight import (
+    FAKE_TORCH_ENV,
+    H100,
+    REPO_ROOT,
+    STANDIN,
+    assert_gone,
+    check,
+    make_env,
+    make_job,
+    with_devices,
+)
+
+pytestmark = pytest.mark.skipif(
+    libreyolo_beside_python() is None, reason="needs libreyolo installed beside this Python"
+)
+
+
+def scenario(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **values: Any) -> Path:
+    pid_file = tmp_path / "pids"
+    values.setdefault("devices", [H100, H100])
+    monkeypatch.setenv(FAKE_TORCH_ENV, json.dumps({"pid_file": str(pid_file), **values}))
+    return pid_file
+
+
+def warm(tmp_path: Path, device: str = "0") -> WarmStart:
+    job = make_job(tmp_path, train={"device": device})
+    config = warm_probe_config(plan_for(job))
+    assert config is not None
+    return WarmStart(
+        config,
+        log_path=tmp_path / "state" / "trainer.log",
+        result_path=tmp_path / "state" / "trainer-result.json",
+        cwd=tmp_path / "runs",
+        extra_pythonpath=[STANDIN],
+    )
+
+
+def files(ws: WarmStart) -> dict[str, Any]:
+    return {"log_path": ws.log_path, "result_path": ws.result_path, "cwd": ws.cwd}
+
+
+def libreyolo() -> str:
+    found = libreyolo_beside_python()
+    assert found is not None
+    return found
+
+
+def test_the_process_that_probed_is_the_one_that_trains(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    scenario(monkeypatch, tmp_path, chatter=True, train_exit=3)
+    ws = warm(tmp_path, device="1")
+
+    async def main() -> tuple[Any, Any, int | None]:
+        probe = await ws.probe(30.0)
+        pid = ws.pid
+        assert ws.launch_id is not None
+        argv = [libreyolo(), "train", "model=yolox-n", "json=true"]
+        trainer = await ws.go(argv, launch_id=ws.launch_id, **files(ws))
+        assert trainer is not None and trainer.pid == pid
+        assert trainer.record.argv == argv
+        return probe, trainer, await trainer.wait()
+
+    probe, trainer, code = asyncio.run(main())
+    assert probe.doc is not None and probe.error is None
+    first, second = probe.doc["devices"]
+    # Only the job's GPU got a context: the trainer keeps its contexts for the whole run.
+    assert first["skipped"] == "not used by this job" and "matmul" not in first
+    assert "free_memory" not in first
+    assert second["matmul"]["ok"] is True
+    assert code == 3  # the trainer's own exit code, collected by its parent, the agent
+    result = ws.result_path.read_text()
+    # stdout is the result alone: the probe's chatter went to the log.
+    doc = json.loads(result)
+    assert len(result.splitlines()) == 1
+    assert doc["pid"] == trainer.pid
+    assert doc["torch_loaded"] is True  # it trained with the torch the probe imported
+    assert doc["argv"] == [libreyolo(), "train", "model=yolox-n", "json=true"]
+    log = ws.log_path.read_text()
+    assert "stand-in torch: chatter on stdout" in log
+    assert "warm start: the trainer's Python runs the GPU probe" in log
+    assert "warm start: training:" in log
+
+
+def test_the_preflight_verdicts_of_a_warm_probe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pid_file = scenario(monkeypatch, tmp_path)
+    job = make_job(tmp_path, train={"device": 1})
+    ws = warm(tmp_path, device="1")
+
+    async def main() -> Any:
+        try:
+            return await run_preflight(job, make_env(tmp_path), probe_runner=ws.probe)
+        finally:
+            await ws.abort()
+
+    report = asyncio.run(main())
+    assert check(report, "gpu0").status == PASS
+    assert "not used by this job" in check(report, "gpu0").value
+    assert report.get("gpu0.matmul") is None
+    assert check(report, "gpu1.matmul").status == PASS
+    assert check(report, "gpu.count").status != FAIL
+    assert_gone(pid_file)
+
+
+def test_an_agent_that_dies_before_the_go_leaves_nothing_training(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pid_file = scenario(monkeypatch, tmp_path)
+    script = (
+        "import asyncio, json, sys, time\n"
+        "from pathlib import Path\n"
+        "from agent.preflight.cuda import warm_probe_config\n"
+        "from agent.preflight.plan import plan_for\n"
+        "from agent.warmstart import WarmStart\n"
+        "from tests.test_preflight import STANDIN, make_job\n"
+        "tmp = Path(sys.argv[1])\n"
+        "job = make_job(tmp, train={'device': 0})\n"
+        "ws = WarmStart(warm_probe_config(plan_for(job)), log_path=tmp / 'trainer.log',\n"
+        "               result_path=tmp / 'result.json', cwd=tmp, extra_pythonpath=[STANDIN])\n"
+        "probe = asyncio.run(ws.probe(30.0))\n"
+        "print(json.dumps({'pid': ws.pid, 'ok': probe.doc is not None}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None
+        told = json.loads(agent.stdout.readline())
+        assert told["ok"] is True
+        warm_proc = psutil.Process(told["pid"])
+        assert warm_proc.is_running()
+        agent.send_signal(signal.SIGKILL)  # no clean-up code of the agent runs
+        agent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not warm_proc.is_running() or warm_proc.status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.05)
+    finally:
+        agent.kill()
+        agent.wait(10)
+        if agent.stdout is not None:
+            agent.stdout.close()
+    assert_gone(pid_file)
+    assert (tmp_path / "result.json").read_text() == ""  # nothing was trained
+
+
+def test_a_hung_probe_is_killed_and_its_stage_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pid_file = scenario(monkeypatch, tmp_path, hang_at="is_available")
+    ws = warm(tmp_path)
+
+    async def main() -> Any:
+        probe = await ws.probe(3.0)
+        argv = [libreyolo(), "train", "json=true"]
+        return probe, await ws.go(argv, launch_id="x", **files(ws))
+
+    probe, trainer = asyncio.run(main())
+    assert probe.timed_out and probe.doc is None
+    assert probe.last_stage == "cuda.is_available"
+    assert trainer is None and ws.launch_id is None
+    assert_gone(pid_file)
+
+
+def test_a_probe_process_that_dies_reports_its_exit_and_log(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    scenario(monkeypatch, tmp_path, **{"import": "segv"})
+    ws = warm(tmp_path)
+    probe = asyncio.run(ws.probe(30.0))
+    assert probe.doc is None and not probe.timed_out
+    assert probe.returncode == -signal.SIGSEGV
+    assert probe.error == f"no report (exit code {-signal.SIGSEGV})"
+    assert probe.last_stage == "import torch"
+    assert "warm start" in probe.stderr_tail  # the log's tail, from this start on
+
+
+@pytest.mark.parametrize("what", ["another command", "another launch id", "other files"])
+def test_a_launch_it_does_not_fit_calls_it_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, what: str
+) -> None:
+    pid_file = scenario(monkeypatch, tmp_path)
+    ws = warm(tmp_path)
+
+    async def main() -> Any:
+        await ws.probe(30.0)
+        assert ws.launch_id is not None
+        argv, launch_id, paths = [libreyolo(), "train"], ws.launch_id, files(ws)
+        if what == "another command":
+            argv = [sys.executable, "scripted_trainer.py"]
+        elif what == "another launch id":
+            launch_id = "0" * 32
+        else:
+            paths["result_path"] = tmp_path / "elsewhere.json"
+        return await ws.go(argv, launch_id=launch_id, **paths)
+
+    assert asyncio.run(main()) is None  # the launcher then starts the trainer cold
+    assert_gone(pid_file)
+    assert ws.result_path.read_text() == ""
+
+
+def test_called_off_after_its_report_it_leaves_by_itself(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pid_file = scenario(monkeypatch, tmp_path)
+    ws = warm(tmp_path)
+
+    async def main() -> int | None:
+        await ws.probe(30.0)
+        first = await ws.abort()
+        assert await ws.abort() is None  # twice is harmless
+        return first
+
+    assert asyncio.run(main()) == CALLED_OFF
+    assert_gone(pid_file)
+    assert ws.result_path.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [("0", [0]), ("cuda:1", [1]), ("auto", [0]), ("cpu", []), ("0,1", None), ("mps", None)],
+)
+def test_which_jobs_start_warm(tmp_path: Path, device: str, expected: list[int] | None) -> None:
+    job = make_job(tmp_path, train={"device": device})
+    if "," in device:
+        job = with_devices(job, device)
+    config = warm_probe_config(plan_for(job))
+    assert (config or {}).get("context_devices") == expected
+    if config is not None:
+        assert config["libreyolo_deep"] is True  # the trainer needs the whole stack next
+    assert warm_probe_config(plan_for(None)) is None  # the generic check: every GPU
+
+
+def test_the_job_file_can_turn_it_off(tmp_path: Path) -> None:
+    def daemon(**preflight: Any) -> Daemon:
+        doc = {
+            "job": {"name": "t", "runs_dir": str(tmp_path / "runs")},
+            "train": {"data": "data.yaml", "model": "yolox-n", "epochs": 1},
+            "preflight": preflight,
+        }
+        job = job_from_dict(doc, base_dir=tmp_path)
+        return Daemon(job, Env(state_dir=tmp_path / "state"))
+
+    on = daemon()._warm_start()
+    assert isinstance(on, WarmStart)
+    assert on.result_path == tmp_path / "state" / "trainer-result.json"
+    assert daemon(warm_start=False)._warm_start() is None
