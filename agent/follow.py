@@ -6,14 +6,15 @@ started", on top of the write itself (issue 15, P2). torch.save writes a checkpo
 back in many chunks over about as long. The :class:`CheckpointFollower` reads each wanted
 ``weights/*.pt`` as it grows (inotify IN_MODIFY on ``weights/``, a raw inotify descriptor of
 its own: watchdog's pipeline would cost a Python event per write), copying the new bytes into
-the snapshot folder, hashing them and checking the zip's CRC-32s on the way
-(:mod:`agent.zipstream`). When the file is closed the copy is finished; the snapshot the engine
+the snapshot folder, hashing them (sha256 on a thread of its own, beside the copy) and checking
+the zip's CRC-32s on the way (:mod:`agent.zipstream`). When the file is closed the copy is finished; the snapshot the engine
 asks for at the epoch's end (:meth:`Snapshotter.take`) is then already there.
 
 The consistency rule does not change: a followed copy is used only when
 
 - the zip streamed past whole: every member's CRC-32 and size equal to the central directory's,
-  at the same offsets (anything torn or rewritten in place fails that);
+  at the same offsets (anything torn or rewritten in place fails that), and the bytes no CRC-32
+  covers (headers, descriptors, the directory: a few kB) equal to the file's at the close;
 - and the live file's identity (device, inode, size, mtime, ctime) at the epoch's end is the one
   it had when the copy finished: any later write changes its ctime.
 
@@ -31,6 +32,7 @@ import errno
 import hashlib
 import logging
 import os
+import queue
 import select
 import struct
 import threading
@@ -66,6 +68,8 @@ CHUNK = 256 * 1024
 #: After a batch of events, wait this long before reading the next: a write() is not an event
 #: to act on alone, and the trainer's writes of the next moments are read in one go, seconds.
 SETTLE_S = 0.01
+#: Chunks that may wait for the hashing thread (``CHUNK`` bytes each).
+HASH_QUEUE = 16
 
 
 class _Inotify:
@@ -103,6 +107,45 @@ class _Inotify:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+class _Hasher:
+    """sha256 on a thread of its own, in the order given: hashlib lets go of the GIL, so the
+    follower's copy and CRC-32 pass (which let go of it too) run beside it, on another core.
+    At most ``HASH_QUEUE`` chunks wait: a slow hash slows the copy, never grows memory."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Any, bytes] | None] = queue.Queue(maxsize=HASH_QUEUE)
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def update(self, sha: Any, data: bytes) -> None:
+        with self._guard:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="follow-hash", daemon=True)
+                self._thread.start()
+        self._queue.put((sha, data))
+
+    def wait(self) -> None:
+        """Until every chunk given so far is hashed."""
+        self._queue.join()
+
+    def close(self) -> None:
+        with self._guard:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                item[0].update(item[1])
+            finally:
+                self._queue.task_done()
 
 
 @dataclass
@@ -169,6 +212,7 @@ class CheckpointFollower:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._stopping = threading.Event()
+        self._hasher = _Hasher()
         #: Followed copies handed to the engine, and copies thrown away (tests, debugging).
         self.claimed = 0
         self.discarded = 0
@@ -244,6 +288,7 @@ class CheckpointFollower:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        self._hasher.close()
 
     # ------------------------------------------------------------ events
 
@@ -389,18 +434,16 @@ class CheckpointFollower:
             need = self.floor_bytes + (expect - f.offset) + (expect - size)
             if size > f.offset and self._free(self.snapshots.root) < need:
                 return self._give_up(track, "disk nearly full")
-            buf = bytearray(CHUNK)
-            view = memoryview(buf)
             while f.offset < size:
-                n = os.preadv(f.fd, [view[: min(CHUNK, size - f.offset)]], f.offset)
-                if n <= 0:
+                chunk = os.pread(f.fd, min(CHUNK, size - f.offset), f.offset)
+                if not chunk:
                     break
-                block = view[:n]
-                f.sha.update(block)
-                f.zip.feed(block)
+                self._hasher.update(f.sha, chunk)  # on its own thread, meanwhile:
+                f.zip.feed(chunk)
+                block = memoryview(chunk)
                 while block:
                     block = block[f.out.write(block) :]
-                f.offset += n
+                f.offset += len(chunk)
             if f.zip.broken is not None:
                 return self._give_up(track, f.zip.broken)
         except OSError as exc:
@@ -440,6 +483,7 @@ class CheckpointFollower:
         except OSError as exc:
             self._give_up(track, os_error(exc))
             return
+        self._hasher.wait()
         digest = f.sha.hexdigest()
         DIGESTS.remember(after, digest)
         DIGESTS.remember(st, digest)
@@ -455,15 +499,20 @@ class CheckpointFollower:
     @staticmethod
     def _same_bytes(f: _Follow) -> bool:
         """The copy holds the file's bytes now: a writer that went back over bytes already
-        copied (not torch's, which only appends) is caught here, not trusted. A compare of
-        two reads from the page cache: cheaper than hashing again."""
+        copied (not torch's, which only appends) is caught here, not trusted. Only the bytes
+        no CRC-32 covers are compared (headers, descriptors, the directory: a few kB): each
+        member's data in the copy has the CRC-32 that the file's directory, compared here,
+        gives it (:meth:`ZipStream.matches`), so data written again after its copy fails
+        that."""
         with open(f.tmp, "rb", buffering=0) as copy:
-            at = 0
-            while at < f.offset:
-                n = min(CHUNK, f.offset - at)
-                if os.pread(f.fd, n, at) != copy.read(n):
-                    return False
-                at += n
+            for start, stop in f.zip.unchecked(f.offset):
+                at = start
+                while at < stop:
+                    n = min(CHUNK, stop - at)
+                    copy.seek(at)
+                    if os.pread(f.fd, n, at) != copy.read(n):
+                        return False
+                    at += n
         return True
 
     def _give_up(self, track: _Track, why: str, *, skip: bool = True) -> bool:

@@ -39,7 +39,7 @@ CALLED_OFF = 0
 def _release_gpu_cache() -> None:
     """Hand the probe's cached GPU blocks back to the driver: the trainer sizes its batch
     (``batch=-1``) from the free memory. The CUDA context itself stays: the trainer needs it."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    cuda: Any = getattr(sys.modules.get("torch"), "cuda", None)
     initialized = getattr(cuda, "is_initialized", None)
     try:
         if initialized is not None and initialized():

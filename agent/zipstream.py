@@ -47,6 +47,8 @@ class Member:
     name: str
     crc: int
     size: int
+    #: Where its data starts (after the local header); the data's bytes are the CRC's.
+    data_at: int = 0
 
 
 class ZipStream:
@@ -129,7 +131,7 @@ class ZipStream:
             offset, name, _, crc, size = self._member
             if self._crc != crc:
                 return self._give_up(f"member {name!r}: CRC-32 does not match its header")
-            self._end(Member(offset, name, crc, size))
+            self._end(Member(offset, name, crc, size, self._data_at))
         return view[len(take) :]
 
     def _unknown(self, view: memoryview) -> memoryview:
@@ -157,7 +159,7 @@ class ZipStream:
                 offset, name, _, _, _ = self._member
                 self._at += i + length
                 self._pending.clear()
-                self._end(Member(offset, name, self._crc, size))
+                self._end(Member(offset, name, self._crc, size, self._data_at))
                 return whole[i + length :]
             start = i + 1
         keep = max(done, len(buf) - (_LOOKAHEAD - 1))
@@ -168,6 +170,21 @@ class ZipStream:
         self._at += keep
         self._pending = bytearray(buf[keep:])
         return memoryview(b"")
+
+    def unchecked(self, end: int) -> list[tuple[int, int]]:
+        """The byte ranges ``[start, stop)`` of ``[0, end)`` that no member's CRC-32 covers:
+        local headers, data descriptors, the central directory. With :meth:`matches`, a copy
+        equal to its file in these ranges holds the file's bytes in all the others too (each
+        member's data has the CRC-32 the writer put in the directory)."""
+        ranges: list[tuple[int, int]] = []
+        at = 0
+        for m in sorted(self.members, key=lambda m: m.data_at):
+            if m.data_at > at:
+                ranges.append((at, m.data_at))
+            at = max(at, m.data_at + m.size)
+        if end > at:
+            ranges.append((at, end))
+        return ranges
 
     def _end(self, member: Member) -> None:
         self.members.append(member)

@@ -280,6 +280,29 @@ def test_a_version_overwritten_mid_copy_never_yields_a_mixed_snapshot(
     assert f.claimed == 0  # the followed copy was not a whole archive of one version
 
 
+def test_header_bytes_written_again_behind_the_copy_are_caught(
+    follower: tuple[CheckpointFollower, Snapshotter, Copies, Path],
+) -> None:
+    """No CRC-32 covers a local header: a writer that goes back over one after its copy (its
+    time field here) is caught by comparing those bytes, and the epoch's end copies the file."""
+    f, snaps, copies, weights = follower
+    src = weights / "last.pt"
+    data = torch_bytes(1, 200_000)
+    assert data[:4] == b"PK\x03\x04"
+
+    with open(src, "wb", buffering=0) as w:
+        for i, at in enumerate(range(0, len(data), 64 * 1024)):
+            w.write(data[at : at + 64 * 1024])
+            if i == 5:  # the first header is copied; then the writer goes back over it
+                assert wait_for(lambda: any(p.stat().st_size > 64 for p in tmp_copies(snaps)))
+                os.pwrite(w.fileno(), b"\x21\x43", 10)
+    final = src.read_bytes()
+    assert final != data and final[:10] == data[:10]
+    snap = snaps.take(src, checkpoint=True)
+    assert snap is not None and snap.path.read_bytes() == final
+    assert f.claimed == 0 and copies.n == 1
+
+
 def test_truncated_and_rewritten_while_followed_the_final_version_is_claimed(
     follower: tuple[CheckpointFollower, Snapshotter, Copies, Path],
 ) -> None:
@@ -386,16 +409,16 @@ def test_a_read_error_mid_follow_leaves_no_copy_and_the_epoch_end_copies(
     """A disk error while following (EIO on the read, which nothing else here can produce):
     the follow gives up and deletes its partial copy; the epoch's end copies the file."""
     f, snaps, copies, weights = follower
-    real = os.preadv
+    real = os.pread
     failed: list[int] = []
 
-    def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
+    def flaky(fd: int, n: int, offset: int) -> bytes:
         if offset > 0 and not failed:
             failed.append(offset)
             raise OSError(5, "Input/output error")
-        return real(fd, buffers, offset)
+        return real(fd, n, offset)
 
-    monkeypatch.setattr(os, "preadv", flaky)
+    monkeypatch.setattr(os, "pread", flaky)
     data = torch_bytes(3, 300_000)
     src = weights / "last.pt"
 
