@@ -434,13 +434,15 @@ class Daemon(TrainingMixin, ControlMixin):
             return None
         from .preflight.cuda import warm_probe_config
         from .preflight.plan import plan_for
-        from .warmstart import WarmStart, libreyolo_beside_python
+        from .warmstart import WarmStart, trainer_python
 
         config = warm_probe_config(plan_for(self.job))
-        if config is None or libreyolo_beside_python() is None:
+        python = trainer_python() if config is not None else None
+        if config is None or python is None:
             return None
         return WarmStart(
             config,
+            python=python,
             log_path=self.store.path("trainer.log"),
             result_path=self.store.path("trainer-result.json"),
             cwd=self.job.job.runs_dir,

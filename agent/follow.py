@@ -7,8 +7,9 @@ back in many chunks over about as long. The :class:`CheckpointFollower` reads ea
 ``weights/*.pt`` as it grows (inotify IN_MODIFY on ``weights/``, a raw inotify descriptor of
 its own: watchdog's pipeline would cost a Python event per write), copying the new bytes into
 the snapshot folder, hashing them (sha256 on a thread of its own, beside the copy) and checking
-the zip's CRC-32s on the way (:mod:`agent.zipstream`). When the file is closed the copy is finished; the snapshot the engine
-asks for at the epoch's end (:meth:`Snapshotter.take`) is then already there.
+the zip's CRC-32s on the way (:mod:`agent.zipstream`). When the file is closed the copy is
+finished; the snapshot the engine asks for at the epoch's end (:meth:`Snapshotter.take`) is
+then already there.
 
 The consistency rule does not change: a followed copy is used only when
 

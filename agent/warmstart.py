@@ -27,7 +27,7 @@ import fcntl
 import json
 import logging
 import os
-import sys
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -53,12 +53,25 @@ _REPORT_MAX = 1 << 22
 _CALL_OFF_S = 2.0
 
 
-def libreyolo_beside_python() -> str | None:
-    """The ``libreyolo`` command of this very Python, which the warm process can run in-process;
-    None when training would use another interpreter's (then the start is cold)."""
-    found = find_libreyolo()
-    beside = Path(sys.executable).parent / "libreyolo"
-    return found if found is not None and Path(found) == beside else None
+def trainer_python(command: str | None = None) -> str | None:
+    """The Python that this box's ``libreyolo`` command (or ``command``) runs under (its ``#!``
+    line): the warm process runs there, so that training in-process is what the command would
+    do. None when the command is missing or not a plain Python script (then the start is cold)."""
+    found = command or find_libreyolo()
+    if found is None:
+        return None
+    try:
+        with open(found, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    words = first[2:].decode("utf-8", "replace").split() if first.startswith(b"#!") else []
+    if len(words) >= 2 and Path(words[0]).name == "env":
+        words = [shutil.which(words[1]) or ""]
+    python = words[0] if len(words) == 1 else ""
+    if not (os.path.isabs(python) and "python" in Path(python).name and os.access(python, os.X_OK)):
+        return None
+    return python
 
 
 def _high_fd(fd: int) -> int:
@@ -80,7 +93,7 @@ class WarmStart:
         log_path: Path,
         result_path: Path,
         cwd: Path,
-        python: str = sys.executable,
+        python: str,
         extra_pythonpath: list[str] | None = None,
     ) -> None:
         self.config = config
@@ -253,9 +266,9 @@ class WarmStart:
             return "another launch id"
         if (log_path, result_path, cwd) != (self.log_path, self.result_path, self.cwd):
             return "other log or result files"
-        libreyolo = libreyolo_beside_python()
+        libreyolo = find_libreyolo()
         if len(argv) < 2 or libreyolo is None or argv[0] != libreyolo or argv[1] != "train":
-            return "the command is not this Python's `libreyolo train`"
+            return "the command is not `libreyolo train`"
         if self.create_time is None or not pid_alive(self.pid, self.create_time):
             return "it is gone"
         return None

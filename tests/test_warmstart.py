@@ -27,8 +27,9 @@ from agent.jobfile import job_from_dict
 from agent.preflight import FAIL, PASS, run_preflight
 from agent.preflight.cuda import warm_probe_config
 from agent.preflight.plan import plan_for
+from agent.trainargs import find_libreyolo
 from agent.warm_entry import CALLED_OFF
-from agent.warmstart import WarmStart, libreyolo_beside_python
+from agent.warmstart import WarmStart, trainer_python
 from tests.test_preflight import (
     FAKE_TORCH_ENV,
     H100,
@@ -42,7 +43,7 @@ from tests.test_preflight import (
 )
 
 pytestmark = pytest.mark.skipif(
-    libreyolo_beside_python() is None, reason="needs libreyolo installed beside this Python"
+    trainer_python() is None, reason="needs the `libreyolo` command (a Python script)"
 )
 
 
@@ -62,6 +63,7 @@ def warm(tmp_path: Path, device: str = "0") -> WarmStart:
         log_path=tmp_path / "state" / "trainer.log",
         result_path=tmp_path / "state" / "trainer-result.json",
         cwd=tmp_path / "runs",
+        python=sys.executable,
         extra_pythonpath=[STANDIN],
     )
 
@@ -71,7 +73,7 @@ def files(ws: WarmStart) -> dict[str, Any]:
 
 
 def libreyolo() -> str:
-    found = libreyolo_beside_python()
+    found = find_libreyolo()
     assert found is not None
     return found
 
@@ -149,7 +151,8 @@ def test_an_agent_that_dies_before_the_go_leaves_nothing_training(
         "tmp = Path(sys.argv[1])\n"
         "job = make_job(tmp, train={'device': 0})\n"
         "ws = WarmStart(warm_probe_config(plan_for(job)), log_path=tmp / 'trainer.log',\n"
-        "               result_path=tmp / 'result.json', cwd=tmp, extra_pythonpath=[STANDIN])\n"
+        "               result_path=tmp / 'result.json', cwd=tmp, python=sys.executable,\n"
+        "               extra_pythonpath=[STANDIN])\n"
         "probe = asyncio.run(ws.probe(30.0))\n"
         "print(json.dumps({'pid': ws.pid, 'ok': probe.doc is not None}), flush=True)\n"
         "time.sleep(600)\n"
@@ -283,3 +286,22 @@ def test_the_job_file_can_turn_it_off(tmp_path: Path) -> None:
     assert isinstance(on, WarmStart)
     assert on.result_path == tmp_path / "state" / "trainer-result.json"
     assert daemon(warm_start=False)._warm_start() is None
+
+
+def test_the_warm_process_runs_under_the_python_of_the_libreyolo_command(tmp_path: Path) -> None:
+    def script(first_line: str) -> str:
+        path = tmp_path / f"libreyolo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"{first_line}\nfrom libreyolo.cli import entrypoint\n")
+        return str(path)
+
+    assert trainer_python(script(f"#!{sys.executable}")) == sys.executable
+    found = trainer_python(script("#!/usr/bin/env python3"))
+    assert found is not None and Path(found).name.startswith("python")
+    # Not a plain Python script: pip's long-path shell trick, another program, no #! at all.
+    assert trainer_python(script("#!/bin/sh")) is None
+    assert trainer_python(script("#!/usr/bin/perl")) is None
+    assert trainer_python(script("import sys")) is None
+    assert trainer_python(script(f"#!{sys.executable} -E")) is None  # options: run it cold
+    assert trainer_python(str(tmp_path / "missing")) is None
+    installed = trainer_python()  # this venv's own command
+    assert installed is not None and Path(installed).parent == Path(libreyolo()).parent
