@@ -202,6 +202,7 @@ def log_times(agent_log: Path) -> dict[str, float]:
         "staging start": "-> STAGING",
         "training phase": "-> TRAINING",
         "trainer started": "trainer started pid=",
+        "warm trainer": "warm start: trainer pid=",
     }
     out: dict[str, float] = {}
     with contextlib.suppress(OSError):
@@ -240,7 +241,6 @@ class P1Run:
 
 def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
     """One supervised real training, the agent and the 20 s anchor watched side by side."""
-    import psutil
 
     from agent import guardplan
 
@@ -278,7 +278,6 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
                 with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                     state = json.loads((state_dir / "state.json").read_text())
                     trainer_pid = int(state["trainer"]["pid"])
-                    out.to_trainer_start = psutil.Process(trainer_pid).create_time() - t_spawn
             if guard_pid is None and trainer_pid is not None:
                 with contextlib.suppress(OSError):
                     guard_pid = guardplan.guard_pid(state_dir) or None
@@ -318,6 +317,11 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
     lt = log_times(state_dir / "agent.log")
     if "trainer started" in lt:
         out.to_launch = lt["trainer started"] - t_spawn
+    # The trainer's process: spawned at the launch, or (warm) when preflight began. From the
+    # agent's log (ms), not psutil's create time (its boot time is whole seconds).
+    started = lt.get("warm trainer", lt.get("trainer started"))
+    if started is not None:
+        out.to_trainer_start = started - t_spawn
     with contextlib.suppress(OSError):
         out.warm = "(warm: its Python ran the probe)" in (state_dir / "agent.log").read_text()
     if t_status is not None:

@@ -68,6 +68,12 @@ def test_dataset_is_staged_while_the_gpu_probe_runs(tmp_path: Path) -> None:
     log = (env.state_dir / "agent.log").read_text()
     assert "staged and checked while the GPU probe runs" in log
     assert "preflight passed" in log
+    # Stopped before training: the warm trainer that ran the probe was called off, untrained.
+    found = re.search(r"warm start: trainer pid=(\d+) runs the GPU probe", log)
+    assert found is not None
+    pid = int(found.group(1))
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert (env.state_dir / "trainer-result.json").read_text() == ""
 
 
 def test_a_failed_probe_does_not_wait_for_the_staging(tmp_path: Path) -> None:

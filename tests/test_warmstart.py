@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from agent.preflight import FAIL, PASS, run_preflight
 from agent.preflight.cuda import warm_probe_config
 from agent.preflight.plan import plan_for
 from agent.trainargs import find_libreyolo
+from agent.trainer import ProcessLauncher
 from agent.warm_entry import CALLED_OFF
 from agent.warmstart import WarmStart, trainer_python
 from tests.test_preflight import (
@@ -305,3 +307,33 @@ def test_the_warm_process_runs_under_the_python_of_the_libreyolo_command(tmp_pat
     assert trainer_python(str(tmp_path / "missing")) is None
     installed = trainer_python()  # this venv's own command
     assert installed is not None and Path(installed).parent == Path(libreyolo()).parent
+
+
+def test_the_launcher_starts_cold_when_its_warm_trainer_died_waiting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The OOM killer (here SIGKILL) took the waiting process: the launch still happens, cold,
+    with the command line asked for, under the id the intent recorded."""
+    scenario(monkeypatch, tmp_path)
+    ws = warm(tmp_path)
+    launcher = ProcessLauncher()
+
+    async def main() -> tuple[int, Any, int | None]:
+        await ws.probe(30.0)
+        assert ws.pid is not None
+        waiting = ws.pid
+        os.kill(waiting, signal.SIGKILL)
+        launcher.warm = ws
+        launch_id = launcher.reserved_launch_id
+        assert launch_id is not None
+        trainer = await launcher.launch(
+            [libreyolo(), "train", "json=true"], launch_id=launch_id, **files(ws)
+        )
+        return waiting, trainer, await trainer.wait()
+
+    waiting, trainer, code = asyncio.run(main())
+    assert launcher.warm is None
+    assert trainer.pid != waiting  # a new process: the cold start
+    assert trainer.record.argv == [libreyolo(), "train", "json=true"]
+    assert code is not None  # the real `libreyolo train` ran (and refused: no model, no data)
+    assert "warm start" in ws.log_path.read_text()
