@@ -83,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             return 4
+    return run_cli(["libreyolo", "train", *args])
+
+
+def run_cli(argv: list[str]) -> int:
+    """Run LibreYOLO's own command line (``libreyolo.cli.entrypoint``) in this process with
+    ``argv`` as ``sys.argv``, as the ``libreyolo`` command would; its exit code."""
     from libreyolo.cli import entrypoint
 
-    sys.argv = ["libreyolo", "train", *args]
+    sys.argv = list(argv)
     try:
         entrypoint()
     except SystemExit as exc:

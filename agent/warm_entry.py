@@ -90,15 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return CALLED_OFF
     sys.stderr.write(f"libreyolo-agent warm start: training: {' '.join(train_argv)}\n")
     sys.stderr.flush()
-    from libreyolo.cli import entrypoint
+    from agent.train_entry import run_cli
 
-    sys.argv = list(train_argv)
-    try:
-        entrypoint()
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0
+    return run_cli(train_argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from .preflight.runner import KILL_GRACE_S, ProbeResult, kill_group
+from .preflight.runner import KILL_GRACE_S, ProbeResult, kill_group, warn_hung
 from .rundir import pid_alive
 from .state import TrainerRecord
 from .trainargs import find_libreyolo
@@ -162,11 +162,7 @@ class WarmStart:
             doc = await asyncio.wait_for(self._read_report(report_r, stages), timeout_s)
         except TimeoutError:
             timed_out = True
-            log.warning(
-                "preflight: probe hung at %s, killing it after %.0f s",
-                stages[-1] if stages else "start",
-                timeout_s,
-            )
+            warn_hung(stages, timeout_s)
         finally:
             os.close(report_r)
         seconds = time.monotonic() - t0

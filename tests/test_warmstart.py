@@ -10,8 +10,10 @@ imported when it trained can be asserted; ``test_daemon``'s demo job runs the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.config import Env
+from agent import demo
+from agent.config import Env, PreflightSection
 from agent.daemon import Daemon
 from agent.jobfile import job_from_dict
 from agent.preflight import FAIL, PASS, run_preflight
@@ -32,6 +35,9 @@ from agent.trainargs import find_libreyolo
 from agent.trainer import ProcessLauncher
 from agent.warm_entry import CALLED_OFF
 from agent.warmstart import WarmStart, trainer_python
+from tests.support import wait_for
+from tests.test_daemon import env_for, requires_libreyolo, run_daemon
+from tests.test_daemon import make_job as daemon_job
 from tests.test_preflight import (
     FAKE_TORCH_ENV,
     H100,
@@ -323,6 +329,7 @@ def test_the_launcher_starts_cold_when_its_warm_trainer_died_waiting(
         assert ws.pid is not None
         waiting = ws.pid
         os.kill(waiting, signal.SIGKILL)
+        await wait_for(lambda: psutil.Process(waiting).status() == psutil.STATUS_ZOMBIE)
         launcher.warm = ws
         launch_id = launcher.reserved_launch_id
         assert launch_id is not None
@@ -337,3 +344,36 @@ def test_the_launcher_starts_cold_when_its_warm_trainer_died_waiting(
     assert trainer.record.argv == [libreyolo(), "train", "json=true"]
     assert code is not None  # the real `libreyolo train` ran (and refused: no model, no data)
     assert "warm start" in ws.log_path.read_text()
+
+
+@requires_libreyolo
+def test_a_warm_started_trainer_outlives_the_agent_and_is_reattached(tmp_path: Path) -> None:
+    """The real `libreyolo train`, started warm (the CPU probe ran in its process): the agent
+    exits mid-run, the trainer trains on, a new agent re-attaches to that same process."""
+    dataset = demo.make_dataset(tmp_path / "data" / "ds")
+    job = daemon_job(tmp_path, dataset, epochs=8)
+    job = dataclasses.replace(job, preflight=PreflightSection(enabled=True, allow_cpu=True))
+    env = env_for(tmp_path)
+    shutdown = asyncio.Event()
+    probed: list[int] = []
+
+    async def during(daemon: Daemon, probe: Any, session: Any) -> None:
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        log = (env.state_dir / "agent.log").read_text()
+        found = re.search(r"warm start: trainer pid=(\d+) runs the GPU probe", log)
+        assert found is not None
+        probed.append(int(found.group(1)))
+        shutdown.set()  # what SIGTERM to the agent does
+
+    code, first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
+    assert code == 0 and first.trainer is not None
+    pid = first.trainer.pid
+    assert probed == [pid]  # the process that probed is the one training
+    assert psutil.pid_exists(pid), "the trainer must outlive the agent"
+    code, second, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert second.trainer is not None and second.trainer.pid == pid
+    assert second.state.reason is not None and second.state.reason.value == "completed"
+    log = (env.state_dir / "agent.log").read_text()
+    assert f"re-attached to trainer pid={pid}" in log
+    assert log.count("trainer started pid=") == 1

@@ -107,11 +107,7 @@ async def run_probe(
             await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             timed_out = True
-            log.warning(
-                "preflight: probe hung at %s, killing it after %.0f s",
-                stages[-1] if stages else "start",
-                timeout_s,
-            )
+            warn_hung(stages, timeout_s)
     finally:
         # Always, also after a normal exit: NCCL workers left behind share the group.
         kill_group(proc.pid)
@@ -146,6 +142,14 @@ async def run_probe(
         what = "no report" if not text else "an unreadable report"
         return replace(result, error=f"{what} (exit code {proc.returncode})")
     return replace(result, doc=doc)
+
+
+def warn_hung(stages: list[str], timeout_s: float) -> None:
+    log.warning(
+        "preflight: probe hung at %s, killing it after %.0f s",
+        stages[-1] if stages else "start",
+        timeout_s,
+    )
 
 
 def kill_group(pgid: int) -> None:
