@@ -34,6 +34,8 @@ GATE_FD = 4
 DOC_PREFIX = "libreyolo-agent-probe: doc "
 #: Exit code when the agent called the start off (closed the gate): nothing was trained.
 CALLED_OFF = 0
+#: Set when the agent added ``PYTHONSAFEPATH`` for this process only (not for what it starts).
+SAFEPATH_ADDED = "LIBREYOLO_AGENT_WARM_SAFEPATH"
 
 
 def _release_gpu_cache() -> None:
@@ -64,6 +66,8 @@ def _read_gate() -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv if argv is None else argv
     config = json.loads(args[1]) if len(args) > 1 else {}
+    if os.environ.pop(SAFEPATH_ADDED, None):
+        os.environ.pop("PYTHONSAFEPATH", None)  # applied already; the trainer's children: bare
     from agent import probe
 
     report = os.fdopen(REPORT_FD, "w", encoding="utf-8", closefd=True)

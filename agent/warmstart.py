@@ -40,7 +40,7 @@ from .rundir import pid_alive
 from .state import TrainerRecord
 from .trainargs import find_libreyolo
 from .trainer import Trainer, TrainerError, spawn_detached, trainer_env
-from .warm_entry import DOC_PREFIX, GATE_FD, REPORT_FD
+from .warm_entry import DOC_PREFIX, GATE_FD, REPORT_FD, SAFEPATH_ADDED
 
 log = logging.getLogger("agent.warmstart")
 
@@ -127,7 +127,11 @@ class WarmStart:
         env = trainer_env(argv, self._id)
         paths = [*self.extra_pythonpath, *filter(None, env["PYTHONPATH"].split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        env["PYTHONSAFEPATH"] = "1"  # the runs dir (its cwd) stays off its import path
+        if "PYTHONSAFEPATH" not in env:
+            # The runs dir (its cwd) stays off its import path; the process drops the variable
+            # again before it trains, so that what LibreYOLO starts sees the environment bare.
+            env["PYTHONSAFEPATH"] = "1"
+            env[SAFEPATH_ADDED] = "1"
         report_r, report_w = os.pipe()
         gate_r, gate_w = os.pipe()
         report_r, report_w = _high_fd(report_r), _high_fd(report_w)

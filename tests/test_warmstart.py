@@ -116,6 +116,7 @@ def test_the_process_that_probed_is_the_one_that_trains(
     assert len(result.splitlines()) == 1
     assert doc["pid"] == trainer.pid
     assert doc["torch_loaded"] is True  # it trained with the torch the probe imported
+    assert doc["safepath"] is None  # what it starts sees the environment as a bare trainer's
     assert doc["argv"] == [libreyolo(), "train", "model=yolox-n", "json=true"]
     log = ws.log_path.read_text()
     assert "stand-in torch: chatter on stdout" in log
