@@ -399,7 +399,16 @@ class Daemon(TrainingMixin, ControlMixin):
                 )
                 may_stage.set()
 
-        warm = self._warm_start()
+        warm = None
+        if self.job.preflight.warm_start and isinstance(self.launcher, ProcessLauncher):
+            from .warmstart import for_job
+
+            warm = for_job(
+                self.job,
+                self.launcher,
+                log_path=self.store.path("trainer.log"),
+                result_path=self.store.path("trainer-result.json"),
+            )
         cause: str | None = "preflight did not finish"
         try:
             report, cause = await preflight.run_and_log(
@@ -420,33 +429,6 @@ class Daemon(TrainingMixin, ControlMixin):
         if cause is not None:
             self.state.cause = cause
         return cause is None
-
-    def _warm_start(self) -> Any:
-        """A :class:`agent.warmstart.WarmStart` when this job's trainer may run the probe in its
-        own process (``[preflight] warm_start``), else None."""
-        launcher = self.launcher
-        if not (
-            self.job.preflight.warm_start
-            and isinstance(launcher, ProcessLauncher)
-            and launcher.warm_start
-            and not self.job.profile.enabled  # the profiler measures the card: nothing on it
-        ):
-            return None
-        from .preflight.cuda import warm_probe_config
-        from .preflight.plan import plan_for
-        from .warmstart import WarmStart, trainer_python
-
-        config = warm_probe_config(plan_for(self.job))
-        python = trainer_python() if config is not None else None
-        if config is None or python is None:
-            return None
-        return WarmStart(
-            config,
-            python=python,
-            log_path=self.store.path("trainer.log"),
-            result_path=self.store.path("trainer-result.json"),
-            cwd=self.job.job.runs_dir,
-        )
 
     async def _drop_warm(self) -> None:
         """Call off a warm trainer that will not be launched (the job ends before training)."""

@@ -35,17 +35,26 @@ from typing import Any
 
 import psutil
 
-from .preflight.runner import KILL_GRACE_S, ProbeResult, kill_group, warn_hung
+from .config import Job
+from .preflight.cuda import warm_probe_config
+from .preflight.plan import plan_for
+from .preflight.runner import (
+    KILL_GRACE_S,
+    PROBE_SCHEMA,
+    STAGE_PREFIX,
+    ProbeResult,
+    kill_group,
+    warn_hung,
+)
 from .rundir import pid_alive
+from .spawn import TrainerError, spawn_detached, trainer_env
 from .state import TrainerRecord
 from .trainargs import find_libreyolo
-from .trainer import Trainer, TrainerError, spawn_detached, trainer_env
+from .trainer import ProcessLauncher, Trainer
 from .warm_entry import DOC_PREFIX, GATE_FD, REPORT_FD, SAFEPATH_ADDED
 
 log = logging.getLogger("agent.warmstart")
 
-_STAGE_PREFIX = "libreyolo-agent-probe: stage "
-_PROBE_SCHEMA = 1
 _LOG_TAIL = 4000
 #: Longest report line read (the document is a few kB).
 _REPORT_MAX = 1 << 22
@@ -72,6 +81,24 @@ def trainer_python(command: str | None = None) -> str | None:
     if not (os.path.isabs(python) and "python" in Path(python).name and os.access(python, os.X_OK)):
         return None
     return python
+
+
+def for_job(
+    job: Job, launcher: ProcessLauncher, *, log_path: Path, result_path: Path
+) -> WarmStart | None:
+    """The warm start of ``job``'s first trainer (not yet started), or None when it starts
+    cold: ``[preflight] warm_start`` off, a launcher of another trainer, ``[profile]`` on (the
+    profiler measures the card: nothing may hold it), several GPUs, or a ``libreyolo`` command
+    that is not a plain Python script. ``log_path`` and ``result_path`` are the launch's."""
+    if not (job.preflight.warm_start and launcher.warm_start and not job.profile.enabled):
+        return None
+    config = warm_probe_config(plan_for(job))
+    python = trainer_python() if config is not None else None
+    if config is None or python is None:
+        return None
+    return WarmStart(
+        config, python=python, log_path=log_path, result_path=result_path, cwd=job.job.runs_dir
+    )
 
 
 def _high_fd(fd: int) -> int:
@@ -173,7 +200,7 @@ class WarmStart:
         result = ProbeResult(
             None, seconds, None, timed_out=timed_out, last_stage=stages[-1] if stages else None
         )
-        if isinstance(doc, dict) and doc.get("schema") == _PROBE_SCHEMA:
+        if isinstance(doc, dict) and doc.get("schema") == PROBE_SCHEMA:
             self._reported = True
             return ProbeResult(doc, seconds, None, last_stage=result.last_stage)
         code = await self.abort()
@@ -208,8 +235,8 @@ class WarmStart:
                 *lines, pending = (pending + chunk).split(b"\n")
                 for raw in lines:
                     line = raw.decode("utf-8", "replace")
-                    if line.startswith(_STAGE_PREFIX):
-                        stages.append(line[len(_STAGE_PREFIX) :].strip())
+                    if line.startswith(STAGE_PREFIX):
+                        stages.append(line[len(STAGE_PREFIX) :].strip())
                     elif line.startswith(DOC_PREFIX):
                         try:
                             return json.loads(line[len(DOC_PREFIX) :])

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.config import Env, PreflightSection
+from agent.config import PreflightSection
 from agent.daemon import Daemon
 from agent.jobfile import job_from_dict
 from agent.preflight import FAIL, PASS, run_preflight
@@ -34,7 +34,8 @@ from agent.preflight.plan import plan_for
 from agent.trainargs import find_libreyolo
 from agent.trainer import ProcessLauncher
 from agent.warm_entry import CALLED_OFF
-from agent.warmstart import WarmStart, trainer_python
+from agent.warmstart import WarmStart, for_job, trainer_python
+from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import wait_for
 from tests.test_daemon import env_for, requires_libreyolo, run_daemon
 from tests.test_daemon import make_job as daemon_job
@@ -282,19 +283,25 @@ def test_which_jobs_start_warm(tmp_path: Path, device: str, expected: list[int] 
 
 
 def test_the_job_file_can_turn_it_off(tmp_path: Path) -> None:
-    def daemon(**preflight: Any) -> Daemon:
+    def warm_for(
+        *, profile: bool = False, launcher: ProcessLauncher | None = None, **preflight: Any
+    ) -> WarmStart | None:
         doc = {
             "job": {"name": "t", "runs_dir": str(tmp_path / "runs")},
             "train": {"data": "data.yaml", "model": "yolox-n", "epochs": 1},
             "preflight": preflight,
+            "profile": {"enabled": profile},
         }
         job = job_from_dict(doc, base_dir=tmp_path)
-        return Daemon(job, Env(state_dir=tmp_path / "state"))
+        paths = {"log_path": tmp_path / "trainer.log", "result_path": tmp_path / "result.json"}
+        return for_job(job, launcher or ProcessLauncher(), **paths)
 
-    on = daemon()._warm_start()
+    on = warm_for()
     assert isinstance(on, WarmStart)
-    assert on.result_path == tmp_path / "state" / "trainer-result.json"
-    assert daemon(warm_start=False)._warm_start() is None
+    assert on.result_path == tmp_path / "result.json" and on.cwd == tmp_path / "runs"
+    assert warm_for(warm_start=False) is None
+    assert warm_for(profile=True) is None  # nothing may hold the card the profiler measures
+    assert warm_for(launcher=ScriptedLauncher()) is None  # its trainer is not libreyolo's
 
 
 def test_the_warm_process_runs_under_the_python_of_the_libreyolo_command(tmp_path: Path) -> None:

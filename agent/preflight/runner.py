@@ -24,8 +24,10 @@ log = logging.getLogger("agent.preflight")
 PROBE_PATH = Path(__file__).parent.parent / "probe.py"
 #: Seconds to wait for a killed probe to go away before giving up on it.
 KILL_GRACE_S = 5.0
-_STAGE_PREFIX = "libreyolo-agent-probe: stage "
-_PROBE_SCHEMA = 1
+#: The probe's stage lines and document version (``agent/probe.py``, which this package does
+#: not import: it runs in a child).
+STAGE_PREFIX = "libreyolo-agent-probe: stage "
+PROBE_SCHEMA = 1
 _STDERR_TAIL = 4000
 
 
@@ -80,8 +82,8 @@ async def run_probe(
 
     def on_line(raw: bytes) -> None:
         line = raw.decode("utf-8", "replace")
-        if line.startswith(_STAGE_PREFIX):
-            stages.append(line[len(_STAGE_PREFIX) :].strip())
+        if line.startswith(STAGE_PREFIX):
+            stages.append(line[len(STAGE_PREFIX) :].strip())
         else:
             tail.extend(raw + b"\n")
             del tail[:-_STDERR_TAIL]
@@ -138,7 +140,7 @@ async def run_probe(
         doc = json.loads(text.splitlines()[-1]) if text else None
     except ValueError:
         doc = None
-    if not isinstance(doc, dict) or doc.get("schema") != _PROBE_SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != PROBE_SCHEMA:
         what = "no report" if not text else "an unreadable report"
         return replace(result, error=f"{what} (exit code {proc.returncode})")
     return replace(result, doc=doc)
