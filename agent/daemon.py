@@ -50,6 +50,7 @@ from .state import (
 from .supervise import TrainingMixin
 from .sync import AGENT_FILES, SyncEngine
 from .text import os_error
+from .threads import in_thread
 from .trainer import Launcher, Outcome, ProcessLauncher, TrainerProcess
 
 log = logging.getLogger("agent.daemon")
@@ -563,6 +564,8 @@ class Daemon(TrainingMixin, ControlMixin):
             if await asyncio.to_thread(lambda: monitor.available):
                 self.gpu = monitor
                 log.info("watching GPU health through NVML")
+            else:
+                await asyncio.to_thread(monitor.close)
         if self.progress is not None and self.gpu is not None:
             self.progress = ProgressTracker(self.job.limits, clock=self.clock, gpu=self.gpu)
         self._start_sizing()
@@ -629,6 +632,10 @@ class Daemon(TrainingMixin, ControlMixin):
                 await task
         if tasks:
             log.info("cancelled %d task(s)", len(tasks))
+        # The NVML host ends with its pipe; a call stuck in the driver is not waited for.
+        if self.gpu is not None:
+            with contextlib.suppress(TimeoutError):
+                await in_thread(self.gpu.close, 5.0, "nvml-close")
         # 4. The HTTP server goes last, so /status stays answerable as long as possible.
         if self.server is not None:
             await self.server.stop()

@@ -1,4 +1,4 @@
-"""GPU health and load through NVML (``nvidia-ml-py``, import name ``pynvml``), without torch.
+"""GPU health and load through NVML, without torch, and without the driver in the agent.
 
 Two uses while training runs:
 
@@ -15,11 +15,16 @@ Two uses while training runs:
   - ``thermal``: the clocks are slowed for heat (HW or SW thermal slowdown) for at least
     ``thermal_after_s`` in a row, judged on consecutive :meth:`~GpuMonitor.faults` calls.
 
-Every NVML call blocks (a broken driver can block for long): call :meth:`samples`,
-:meth:`faults` and :attr:`available` from a worker thread (:mod:`agent.threads`), never from the
-event loop. NVML starts lazily on the first of them. Without a driver or a GPU (or without
-``nvidia-ml-py``) the monitor is simply unavailable: ``available`` is False, ``samples()`` and
-``faults()`` return empty lists, and :attr:`unavailable_reason` says why.
+The NVML calls run in the NVML host process (:class:`agent.nvmlhost.NvmlHost`, started with
+the first of them), so the driver's libraries are never mapped into the agent and a call that
+hangs or crashes in a broken driver takes the host down, not the agent. Every call still blocks
+until the host answers (at most its timeout): call :meth:`samples`, :meth:`faults` and
+:attr:`available` from a worker thread (:mod:`agent.threads`), never from the event loop.
+Without a driver or a GPU the monitor is simply unavailable: ``available`` is False,
+``samples()`` and ``faults()`` return empty lists, and :attr:`unavailable_reason` says why. A
+host that stopped answering (killed after its timeout) or died makes the monitor unavailable
+from then on, with that as the reason, logged as an error: the GPUs are no longer watched, and
+the run's stall limits are what is left to catch a GPU that stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from .nvml import HOST_GONE, HOST_UNRESPONSIVE
 
 log = logging.getLogger("agent.gpu")
 
@@ -149,9 +156,10 @@ _UNSUPPORTED = object()
 
 
 class GpuMonitor:
-    """NVML-backed GPU load and fault watcher. ``nvml``: the ``pynvml`` module, or a stand-in
-    with the same names (tests); None imports ``pynvml`` on first use. Thread-safe: one lock
-    serialises every NVML call of the monitor."""
+    """NVML-backed GPU load and fault watcher. ``nvml``: anything with ``pynvml``'s names (an
+    :class:`~agent.nvmlhost.NvmlHost`, a stand-in in tests); None starts an
+    :class:`~agent.nvmlhost.NvmlHost` on first use, which :meth:`close` ends. Thread-safe: one
+    lock serialises every NVML call of the monitor."""
 
     def __init__(
         self,
@@ -161,6 +169,8 @@ class GpuMonitor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nvml: Any = nvml
+        self._own_host = nvml is None
+        self._host_failed = False
         self._thermal_after_s = thermal_after_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -234,27 +244,29 @@ class GpuMonitor:
             return out
 
     def close(self) -> None:
-        """Free the event set and shut NVML down; safe to call again."""
+        """Free the event set, shut NVML down and end the host the monitor started; safe to
+        call again."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if not self._initialised:
-                return
             nvml = self._nvml
-            if self._events is not None:
+            if self._initialised and not self._host_failed:
+                if self._events is not None:
+                    with contextlib.suppress(nvml.NVMLError):
+                        nvml.nvmlEventSetFree(self._events)
+                    self._events = None
                 with contextlib.suppress(nvml.NVMLError):
-                    nvml.nvmlEventSetFree(self._events)
-                self._events = None
-            with contextlib.suppress(nvml.NVMLError):
-                nvml.nvmlShutdown()
+                    nvml.nvmlShutdown()
             self._initialised = False
+            if self._own_host and nvml is not None:
+                nvml.close()
 
     # ----------------------------------------------------------------------------------------
     # Start-up
 
     def _usable(self) -> bool:
-        return self._initialised and bool(self._gpus) and not self._closed
+        return self._initialised and bool(self._gpus) and not self._closed and not self._host_failed
 
     def _open(self) -> None:
         """Start NVML and find the GPUs, once (under the lock)."""
@@ -262,32 +274,35 @@ class GpuMonitor:
             return
         self._opened = True
         if self._nvml is None:
-            try:
-                import pynvml
-            except ImportError:
-                self._reason = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
-                return
-            self._nvml = pynvml
+            from .nvmlhost import NvmlHost
+
+            self._nvml = NvmlHost()
         nvml = self._nvml
         self._hw_thermal = _bit(nvml, "HwThermalSlowdown", _HW_THERMAL)
         self._sw_thermal = _bit(nvml, "SwThermalSlowdown", _SW_THERMAL)
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
-            self._reason = f"NVML did not start: {exc} (no NVIDIA driver or GPU here)"
-            log.info("no GPU health watch: %s", self._reason)
+            if not self._host_lost(exc):
+                self._reason = f"NVML did not start: {exc} (no NVIDIA driver or GPU here)"
+                log.info("no GPU health watch: %s", self._reason)
+            if self._own_host:
+                nvml.close()  # nothing to watch: the host need not wait for the agent's end
             return
         self._initialised = True
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
-            self._reason = f"NVML cannot count the GPUs: {exc}"
-            log.warning("no GPU health watch: %s", self._reason)
+            if not self._host_lost(exc):
+                self._reason = f"NVML cannot count the GPUs: {exc}"
+                log.warning("no GPU health watch: %s", self._reason)
             return
         for index in range(count):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
             except nvml.NVMLError as exc:
+                if self._host_lost(exc):
+                    return
                 if self._is_lost(exc):
                     # Reported by the first faults() call: a GPU gone before training began.
                     self._gpus.append(_Gpu(index, None, lost=True, lost_error=str(exc)))
@@ -307,14 +322,16 @@ class GpuMonitor:
         for g in self._gpus:
             if not g.lost:
                 g.ecc_base = self._ecc_count(g)
-        log.info("watching %d GPU(s) for Xid, ECC, lost and thermal faults", len(self._gpus))
+        if not self._host_failed:
+            log.info("watching %d GPU(s) for Xid, ECC, lost and thermal faults", len(self._gpus))
 
     def _watch_xids(self) -> None:
         nvml = self._nvml
         try:
             self._events = nvml.nvmlEventSetCreate()
         except nvml.NVMLError as exc:
-            log.warning("Xid errors are not watched: NVML cannot create an event set (%s)", exc)
+            if not self._host_lost(exc):
+                log.warning("Xid errors are not watched: NVML cannot create an event set (%s)", exc)
             return
         for g in self._gpus:
             if g.lost:
@@ -324,6 +341,8 @@ class GpuMonitor:
                     g.handle, nvml.nvmlEventTypeXidCriticalError, self._events
                 )
             except nvml.NVMLError as exc:
+                if self._host_lost(exc):
+                    return
                 if self._is_lost(exc):
                     self._mark_lost(g, exc)
                 else:
@@ -343,6 +362,8 @@ class GpuMonitor:
             try:
                 data = nvml.nvmlEventSetWait(self._events, 0)
             except nvml.NVMLError as exc:
+                if self._host_lost(exc):
+                    return out
                 if _code(exc) != nvml.NVML_ERROR_TIMEOUT:  # a timeout: no event waiting
                     log.debug("NVML event wait failed: %s", exc)
                 break
@@ -366,7 +387,7 @@ class GpuMonitor:
         """The watched GPU an event came from (by index), or an 'unknown GPU' stand-in."""
         nvml = self._nvml
         for g in self._gpus:
-            if device is g.handle:
+            if device is g.handle or (isinstance(device, int) and device == g.handle):
                 return g
         try:
             index = int(nvml.nvmlDeviceGetIndex(device))
@@ -458,7 +479,7 @@ class GpuMonitor:
     def _query(self, g: _Gpu, fn: str, *args: Any) -> Any:
         """``nvml.<fn>(*args)`` about GPU ``g``: its value, :data:`_UNSUPPORTED`, or None on any
         other NVML error (a lost GPU is marked lost)."""
-        if g.lost:  # NVML would only say so again
+        if g.lost or self._host_failed:  # NVML would only say so again
             return None
         nvml = self._nvml
         call = getattr(nvml, fn, None)
@@ -473,10 +494,23 @@ class GpuMonitor:
             return None
 
     def _classify(self, g: _Gpu, exc: BaseException) -> None:
+        if self._host_lost(exc):
+            return
         if self._is_lost(exc):
             self._mark_lost(g, exc)
         else:
             log.debug("NVML call about %s failed: %s", g.name, exc)
+
+    def _host_lost(self, exc: BaseException) -> bool:
+        """The NVML host stopped answering or died (:mod:`agent.nvmlhost`): nothing more can
+        be asked; the monitor is unavailable from now on, with the host's words as the reason
+        (the host has logged them as an error)."""
+        if _code(exc) not in (HOST_UNRESPONSIVE, HOST_GONE):
+            return False
+        if not self._host_failed:
+            self._host_failed = True
+            self._reason = f"{exc}; GPU health is no longer watched"
+        return True
 
     def _is_lost(self, exc: BaseException) -> bool:
         nvml = self._nvml

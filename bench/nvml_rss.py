@@ -1,14 +1,16 @@
 """What NVML costs a Python process in memory, step by step, and this CPU's hash and copy rates.
 
-Run on a GPU box (docs/gpu-validation.md 9d, docs/benchmarks.md):
+Run on a GPU box (docs/gpu-validation.md 9d-9e, docs/benchmarks.md):
 
-    python3 bench/nvml_rss.py [plain|noattach]
+    python3 bench/nvml_rss.py [plain|host]
 
-Prints VmRSS, RssAnon, RssFile, RssShmem and VmHWM (MiB) after each step: the interpreter,
-``import pynvml``, ``nvmlInit`` (``noattach``: ``nvmlInitWithFlags(NVML_INIT_FLAG_NO_ATTACH)``),
-a handle, 20 polls of utilisation, memory and power, an Xid event set, ``malloc_trim(0)``; then
-the largest resident mappings, and (``plain``) sha256, CRC-32 and copy rates over 64 MiB, the
-passes the checkpoint follower (agent/follow.py) makes over every byte.
+``plain``: in this process, through the agent's own binding (agent/nvml.py), prints VmRSS,
+RssAnon, RssFile, RssShmem and VmHWM (MiB) after each step: the interpreter, ``import
+agent.nvml``, ``nvmlInit``, a handle, 20 polls of utilisation and power, an Xid event set,
+``malloc_trim(0)``; then the largest resident mappings, and sha256, CRC-32 and copy rates over
+64 MiB, the passes the checkpoint follower (agent/follow.py) makes over every byte.
+``host``: the same calls through the NVML host process (agent/nvmlhost.py), as the agent makes
+them: this process's figures (it never maps the driver) and the host's, read from /proc.
 """
 
 from __future__ import annotations
@@ -68,34 +70,52 @@ def rates() -> None:
         print(f"{f.read().count('sha_ni')} CPUs with sha_ni")
 
 
+def host_status(pid: int) -> str:
+    out: dict[str, float] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in _FIELDS:
+                out[key] = int(value.split()[0]) / 1024
+    return " ".join(f"{k} {out.get(k, 0):6.1f}" for k in _FIELDS)
+
+
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     show("python")
-    import pynvml
+    if mode == "host":
+        from agent.nvmlhost import NvmlHost
 
-    show("import pynvml")
-    if mode == "noattach":
-        pynvml.nvmlInitWithFlags(2)  # NVML_INIT_FLAG_NO_ATTACH
+        show("import agent.nvmlhost")
+        nvml: Any = NvmlHost()
     else:
-        pynvml.nvmlInit()
+        from agent import nvml as binding
+
+        show("import agent.nvml")
+        nvml = binding.Library()
+    nvml.nvmlInit()
     show(f"nvmlInit ({mode})")
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        show(f"handle ({pynvml.nvmlDeviceGetCount()} GPUs)")
+        handle = nvml.nvmlDeviceGetHandleByIndex(0)
+        show(f"handle ({nvml.nvmlDeviceGetCount()} GPUs)")
         for _ in range(20):
-            pynvml.nvmlDeviceGetUtilizationRates(handle)
-            pynvml.nvmlDeviceGetMemoryInfo(handle)
-            pynvml.nvmlDeviceGetPowerUsage(handle)
+            nvml.nvmlDeviceGetUtilizationRates(handle)
+            nvml.nvmlDeviceGetPowerUsage(handle)
+            nvml.nvmlDeviceGetEnforcedPowerLimit(handle)
         show("20 polls")
-        events = pynvml.nvmlEventSetCreate()
-        pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, events)
+        events = nvml.nvmlEventSetCreate()
+        nvml.nvmlDeviceRegisterEvents(handle, 0x8, events)  # Xid critical errors
         show("event set + Xid registered")
-    except pynvml.NVMLError as exc:
+    except Exception as exc:
         print(f"NVML: {exc}")
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     show("malloc_trim(0)")
     largest_mappings()
-    if mode == "plain":
+    if mode == "host":
+        print(f"{'the NVML host (pid ' + str(nvml.pid) + ')':34s} {host_status(nvml.pid)}")
+        nvml.close()
+    else:
         rates()
     return 0
 

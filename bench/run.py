@@ -229,6 +229,8 @@ class P1Run:
     epoch_s: float | None = None
     epochs: int = 0
     guard_peak: float | None = None
+    #: The NVML host the agent starts on a GPU box (agent/nvmlhost.py), its peak RSS.
+    nvml_host_peak: float | None = None
     to_trainer_start: float | None = None
     #: Agent started -> the launch (``trainer started pid=``: a cold spawn, or the warm go).
     to_launch: float | None = None
@@ -237,6 +239,20 @@ class P1Run:
     warm: bool = False
     phases: dict[str, float] = field(default_factory=dict)
     problem: str | None = None
+
+
+def nvml_hosts(parent: int) -> set[int]:
+    """The NVML hosts (``python -I -S .../agent/nvml.py``) among ``parent``'s children."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            with contextlib.suppress(OSError):
+                for pid in (task / "children").read_text().split():
+                    with contextlib.suppress(OSError):
+                        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                        if any(a.endswith(b"agent/nvml.py") for a in argv):
+                            found.add(int(pid))
+    return found
 
 
 def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
@@ -266,8 +282,9 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
     run_dir: Path | None = None
     marks: list[tuple[int, float, float | None, float | None]] = []  # (epochs, t, cpu a, cpu b)
     last_epochs = -1
-    peak = {"agent": 0, "anchor": 0, "guard": 0}
+    peak = {"agent": 0, "anchor": 0, "guard": 0, "nvml": 0}
     guard_pid: int | None = None
+    nvml_pids: set[int] = set()
     deadline = time.time() + 900
     try:
         while agent.poll() is None and time.time() < deadline:
@@ -283,6 +300,9 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
                     guard_pid = guardplan.guard_pid(state_dir) or None
             if guard_pid is not None:
                 peak["guard"] = max(peak["guard"], proc_status(guard_pid).get("VmHWM", 0))
+            nvml_pids |= nvml_hosts(agent.pid)
+            for pid in nvml_pids:
+                peak["nvml"] = max(peak["nvml"], proc_status(pid).get("VmHWM", 0))
             if run_dir is None:
                 found = sorted(runs.glob("*/status.json"))
                 if found:
@@ -312,6 +332,7 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
             if gpid:
                 kill_pid(gpid)  # the guard this run's agent started (it leaves by itself too)
     out.guard_peak = peak["guard"] / MIB or None
+    out.nvml_host_peak = peak["nvml"] / MIB or None
     out.agent_peak = peak["agent"] / MIB
     out.anchor_peak = peak["anchor"] / MIB
     lt = log_times(state_dir / "agent.log")
@@ -565,6 +586,7 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
         epoch = vals("epoch_s")
         rss_t = [med(r.agent_rss_training) or 0.0 for r in ok if r.agent_rss_training]
         guard = vals("guard_peak")
+        nvml_host = vals("nvml_host_peak")
         s.notes += [
             f"Real trainer: yolox-n, imgsz 64, {cfg.p1_train_images} train images, "
             f"{cfg.p1_epochs} epochs, device {cfg.device}; an epoch took "
@@ -576,7 +598,9 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
             "Anchor: `bench/common.py poll`, a bare Python loop that every 20 s reads "
             "status.json and hashes last.pt, on the same training at the same time.",
             "Not in the agent's figure: the guard process the agent starts (`agent.guard`, its "
-            f"own session), peak {fmt_spread(guard, 'MiB', 1)}.",
+            f"own session), peak {fmt_spread(guard, 'MiB', 1)}; on a GPU box the NVML host "
+            "(`python -I -S agent/nvml.py`: the driver's libraries, kept out of the agent), "
+            f"peak {fmt_spread(nvml_host, 'MiB', 1) if nvml_host else 'none started'}.",
         ]
         bad = [r.problem for r in runs if r.problem]
         if bad:

@@ -149,6 +149,14 @@ def sample(pid: int, out: Path) -> int:
                     rss = int(line.split()[1]) * 1024
         except (psutil.Error, OSError, ValueError):
             break
+        # The NVML host the agent starts on a GPU box (agent/nvmlhost.py): its own peak.
+        with contextlib.suppress(psutil.Error, OSError, ValueError):
+            for child in proc.children():
+                if any(a.endswith("agent/nvml.py") for a in child.cmdline()):
+                    for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            host = round(int(line.split()[1]) / 1024, 1)
+                            doc["nvml_host_peak_mib"] = max(doc.get("nvml_host_peak_mib", 0), host)
         doc.update(
             cpu_s=round(t.user + t.system, 3),
             user_s=round(t.user, 3),
@@ -340,6 +348,11 @@ def report(d: Path, name: str, serve_dir: Path, t0: float | None) -> int:
                 f"CPU {use.get('cpu_s')} s (user {use.get('user_s')}, system "
                 f"{use.get('system_s')}; {use['samples']} samples every 0.2 s, the last <= 0.2 s "
                 "before its exit)"
+            )
+            host_peak = use.get("nvml_host_peak_mib")
+            print(
+                "  NVML host (python -I -S agent/nvml.py, the agent's child): "
+                + (f"peak RSS (VmHWM) {host_peak} MiB" if host_peak else "none seen")
             )
             last = run_dir / "weights" / "last.pt" if run_dir is not None else None
             if last is not None and last.is_file():

@@ -1,7 +1,8 @@
 """GPU health through NVML. A GPU fault cannot be produced on purpose, and this machine has no
-GPU, so these tests hand :class:`GpuMonitor` a stand-in for the ``pynvml`` module that has
-exactly the names the monitor calls and raises pynvml's real exception classes. One test runs
-the real pynvml path: without a driver, the monitor is unavailable and never raises."""
+GPU, so these tests hand :class:`GpuMonitor` a stand-in with exactly the ``pynvml`` names the
+monitor calls, raising the agent's :class:`agent.nvml.NVMLError`. One test runs the real path
+(the NVML host process) on a machine without a driver: the monitor is unavailable and never
+raises. tests/test_nvmlhost.py runs the real path over a stand-in ``libnvidia-ml.so.1``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-import pynvml
 import pytest
 
+from agent import nvml as nv
 from agent.gpuhealth import GpuMonitor, GpuSample
 
 
@@ -23,20 +24,20 @@ class Handle:
 
 class FakeNvml:
     """The pynvml names GpuMonitor uses, over a scripted box of GPUs. ``fail[(fn, index)]``
-    (index None: every GPU) makes ``fn`` raise ``pynvml.NVMLError(code)``."""
+    (index None: every GPU) makes ``fn`` raise ``nv.NVMLError(code)``."""
 
-    NVMLError = pynvml.NVMLError
-    NVML_ERROR_GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
-    NVML_ERROR_RESET_REQUIRED = pynvml.NVML_ERROR_RESET_REQUIRED
-    NVML_ERROR_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
-    NVML_ERROR_TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
-    NVML_ERROR_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
-    NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
-    nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
-    nvmlClocksEventReasonHwThermalSlowdown = pynvml.nvmlClocksEventReasonHwThermalSlowdown
-    nvmlClocksEventReasonSwThermalSlowdown = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+    NVMLError = nv.NVMLError
+    NVML_ERROR_GPU_IS_LOST = nv.NVML_ERROR_GPU_IS_LOST
+    NVML_ERROR_RESET_REQUIRED = nv.NVML_ERROR_RESET_REQUIRED
+    NVML_ERROR_NOT_SUPPORTED = nv.NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_TIMEOUT = nv.NVML_ERROR_TIMEOUT
+    NVML_ERROR_FUNCTION_NOT_FOUND = nv.NVML_ERROR_FUNCTION_NOT_FOUND
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    NVML_VOLATILE_ECC = nv.NVML_VOLATILE_ECC
+    NVML_TEMPERATURE_GPU = nv.NVML_TEMPERATURE_GPU
+    nvmlEventTypeXidCriticalError = nv.nvmlEventTypeXidCriticalError
+    nvmlClocksEventReasonHwThermalSlowdown = nv.nvmlClocksEventReasonHwThermalSlowdown
+    nvmlClocksEventReasonSwThermalSlowdown = nv.nvmlClocksEventReasonSwThermalSlowdown
 
     def __init__(self, gpus: int = 2) -> None:
         self.count = gpus
@@ -57,12 +58,12 @@ class FakeNvml:
         self.calls.append((fn, index))
         code = self.fail.get((fn, index), self.fail.get((fn, None)))
         if code is not None:
-            raise pynvml.NVMLError(code)
+            raise nv.NVMLError(code)
 
     def nvmlInit(self) -> None:
         self._call("nvmlInit")
         if self.init_error is not None:
-            raise pynvml.NVMLError(self.init_error)
+            raise nv.NVMLError(self.init_error)
 
     def nvmlShutdown(self) -> None:
         self._call("nvmlShutdown")
@@ -97,8 +98,8 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEccErrors(self, h: Handle, error_type: int, counter_type: int) -> int:
         self._call("nvmlDeviceGetTotalEccErrors", h)
-        assert error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-        assert counter_type == pynvml.NVML_VOLATILE_ECC
+        assert error_type == nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        assert counter_type == nv.NVML_VOLATILE_ECC
         return self.ecc[h.index]
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: Handle) -> int:
@@ -111,7 +112,7 @@ class FakeNvml:
 
     def nvmlDeviceGetTemperature(self, h: Handle, sensor: int) -> int:
         self._call("nvmlDeviceGetTemperature", h)
-        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        assert sensor == nv.NVML_TEMPERATURE_GPU
         return self.temp[h.index]
 
     def nvmlEventSetCreate(self) -> object:
@@ -120,13 +121,13 @@ class FakeNvml:
 
     def nvmlDeviceRegisterEvents(self, h: Handle, types: int, event_set: object) -> None:
         self._call("nvmlDeviceRegisterEvents", h)
-        assert types == pynvml.nvmlEventTypeXidCriticalError and event_set is self.event_set
+        assert types == nv.nvmlEventTypeXidCriticalError and event_set is self.event_set
 
     def nvmlEventSetWait(self, event_set: object, timeout_ms: int) -> SimpleNamespace:
         self._call("nvmlEventSetWait")
         assert event_set is self.event_set and timeout_ms == 0  # never blocks
         if not self.events:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            raise nv.NVMLError(nv.NVML_ERROR_TIMEOUT)
         return self.events.pop(0)
 
     def nvmlEventSetFree(self, event_set: object) -> None:
@@ -138,7 +139,7 @@ class FakeNvml:
         self.events.append(
             SimpleNamespace(
                 device=Handle(index),
-                eventType=pynvml.nvmlEventTypeXidCriticalError,
+                eventType=nv.nvmlEventTypeXidCriticalError,
                 eventData=xid,
                 gpuInstanceId=0,
                 computeInstanceId=0,
@@ -161,16 +162,17 @@ def monitor(nvml: Any, clock: Clock | None = None) -> GpuMonitor:
     return GpuMonitor(nvml, thermal_after_s=60.0, clock=clock or Clock())
 
 
-def test_real_pynvml_without_a_driver_is_unavailable_and_never_raises() -> None:
+def test_real_nvml_host_without_a_driver_is_unavailable_and_never_raises() -> None:
     try:
         ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
         pass
     else:
         pytest.skip("an NVIDIA driver is installed here: this test is for GPU-less machines")
-    gpu = GpuMonitor()  # imports the real pynvml
+    gpu = GpuMonitor()  # the real NVML host process
     assert gpu.available is False
-    assert "NVML" in (gpu.unavailable_reason or "")
+    assert "NVML Shared Library Not Found" in (gpu.unavailable_reason or "")
+    assert gpu._nvml.pid is None  # nothing to watch: the host was ended at once
     assert gpu.samples() == []
     assert gpu.faults() == []
     gpu.close()
@@ -179,7 +181,7 @@ def test_real_pynvml_without_a_driver_is_unavailable_and_never_raises() -> None:
 
 def test_driver_that_does_not_start_makes_the_monitor_unavailable() -> None:
     nvml = FakeNvml()
-    nvml.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    nvml.init_error = nv.NVML_ERROR_DRIVER_NOT_LOADED
     gpu = monitor(nvml)
     assert gpu.available is False
     assert "Driver Not Loaded" in (gpu.unavailable_reason or "")
@@ -192,7 +194,7 @@ def test_samples_report_utilisation_and_power_in_watts() -> None:
     nvml = FakeNvml(gpus=3)
     nvml.util.update({0: 97, 1: 100, 2: 99})
     nvml.power_mw.update({0: 520_000, 1: 85_000})
-    nvml.fail[("nvmlDeviceGetPowerUsage", 2)] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fail[("nvmlDeviceGetPowerUsage", 2)] = nv.NVML_ERROR_NOT_SUPPORTED
     samples = monitor(nvml).samples()
     assert samples == [
         GpuSample(0, 97.0, 520.0, 700.0),
@@ -246,7 +248,7 @@ def test_new_double_bit_ecc_errors_are_a_box_fault() -> None:
 
 def test_ecc_not_supported_is_skipped_and_not_asked_again() -> None:
     nvml = FakeNvml(gpus=1)
-    nvml.fail[("nvmlDeviceGetTotalEccErrors", None)] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fail[("nvmlDeviceGetTotalEccErrors", None)] = nv.NVML_ERROR_NOT_SUPPORTED
     gpu = monitor(nvml)
     assert gpu.faults() == [] and gpu.faults() == []
     assert nvml.count_calls("nvmlDeviceGetTotalEccErrors") == 1
@@ -256,7 +258,7 @@ def test_gpu_lost_in_any_call_is_reported_once() -> None:
     nvml = FakeNvml()
     gpu = monitor(nvml)
     assert gpu.available
-    nvml.fail[("nvmlDeviceGetUtilizationRates", 0)] = pynvml.NVML_ERROR_GPU_IS_LOST
+    nvml.fail[("nvmlDeviceGetUtilizationRates", 0)] = nv.NVML_ERROR_GPU_IS_LOST
     assert gpu.samples()[0] == GpuSample(0, None, None, None)
     faults = gpu.faults()
     assert [(f.index, f.kind) for f in faults] == [(0, "lost")]
@@ -270,10 +272,10 @@ def test_gpu_lost_in_any_call_is_reported_once() -> None:
 
 def test_gpu_lost_while_checking_ecc_or_at_start() -> None:
     nvml = FakeNvml()
-    nvml.fail[("nvmlDeviceGetHandleByIndex", 1)] = pynvml.NVML_ERROR_GPU_IS_LOST
+    nvml.fail[("nvmlDeviceGetHandleByIndex", 1)] = nv.NVML_ERROR_GPU_IS_LOST
     gpu = monitor(nvml)
     assert [(f.index, f.kind) for f in gpu.faults()] == [(1, "lost")]
-    nvml.fail[("nvmlDeviceGetTotalEccErrors", 0)] = pynvml.NVML_ERROR_RESET_REQUIRED
+    nvml.fail[("nvmlDeviceGetTotalEccErrors", 0)] = nv.NVML_ERROR_RESET_REQUIRED
     faults = gpu.faults()
     assert [(f.index, f.kind) for f in faults] == [(0, "lost")]
     assert "GPU requires restart" in faults[0].message
@@ -283,14 +285,14 @@ def test_thermal_slowdown_counts_only_when_sustained() -> None:
     nvml = FakeNvml(gpus=1)
     clock = Clock()
     gpu = monitor(nvml, clock)
-    hw = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    hw = nv.nvmlClocksEventReasonHwThermalSlowdown
     nvml.reasons[0] = hw
     assert gpu.faults() == []
     clock.t = 40.0
     nvml.reasons[0] = 0  # a short burst ends
     assert gpu.faults() == []
     clock.t = 50.0
-    nvml.reasons[0] = hw | pynvml.nvmlClocksEventReasonGpuIdle
+    nvml.reasons[0] = hw | nv.nvmlClocksEventReasonGpuIdle
     assert gpu.faults() == []
     clock.t = 109.0
     assert gpu.faults() == []  # 59 s in a row
@@ -305,12 +307,10 @@ def test_thermal_slowdown_counts_only_when_sustained() -> None:
 
 def test_software_thermal_slowdown_on_an_old_driver_uses_throttle_reasons() -> None:
     nvml = FakeNvml(gpus=1)
-    nvml.fail[("nvmlDeviceGetCurrentClocksEventReasons", None)] = (
-        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-    )
+    nvml.fail[("nvmlDeviceGetCurrentClocksEventReasons", None)] = nv.NVML_ERROR_FUNCTION_NOT_FOUND
     clock = Clock()
     gpu = monitor(nvml, clock)
-    nvml.reasons[0] = pynvml.nvmlClocksThrottleReasonSwThermalSlowdown
+    nvml.reasons[0] = nv.nvmlClocksEventReasonSwThermalSlowdown
     assert gpu.faults() == []
     clock.t = 60.0
     faults = gpu.faults()
@@ -322,7 +322,7 @@ def test_software_thermal_slowdown_on_an_old_driver_uses_throttle_reasons() -> N
 
 def test_gpu_without_xid_events_still_reports_ecc() -> None:
     nvml = FakeNvml(gpus=1)
-    nvml.fail[("nvmlDeviceRegisterEvents", None)] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fail[("nvmlDeviceRegisterEvents", None)] = nv.NVML_ERROR_NOT_SUPPORTED
     gpu = monitor(nvml)
     assert gpu.available
     nvml.ecc[0] = 1

@@ -225,10 +225,13 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
         }
         ours = {m for m in imported if m == "agent" or m.startswith("agent.")}
         # agent.hub is the one home of the Hub client (a base module: it imports config and text);
-        # agent.threads, agent.text and agent.disk are base helpers that import nothing of ours.
+        # agent.threads, agent.text and agent.disk are base helpers that import nothing of ours;
+        # agent.nvml and agent.nvmlhost (the NVML host process) import only each other.
         allowed = {
             "agent.config",
             "agent.hub",
+            "agent.nvml",
+            "agent.nvmlhost",
             "agent.providers",
             "agent.threads",
             "agent.text",

@@ -1,4 +1,4 @@
-"""The NVIDIA driver, read from this process (NVML needs no torch), else from ``nvidia-smi``.
+"""The NVIDIA driver, read through NVML in an NVML host process (no torch), else ``nvidia-smi``.
 
 Its version and the newest CUDA it supports decide whether torch's CUDA build runs on it, and
 which PyTorch wheel index to recommend when it does not.
@@ -12,6 +12,8 @@ import re
 import shutil
 from dataclasses import dataclass
 
+from agent.nvml import NVMLError
+from agent.nvmlhost import NvmlHost
 from agent.preflight.report import FAIL, PASS, WARN, Check, first_line, make_check
 from agent.preflight.runner import kill_group
 from agent.threads import in_thread
@@ -36,33 +38,32 @@ class DriverInfo:
     error: str | None = None
 
 
-def _nvml_driver() -> DriverInfo:
+def _nvml_driver(timeout_s: float) -> DriverInfo:
+    """The driver's version and the CUDA it supports, asked of NVML in an NVML host process
+    (:mod:`agent.nvmlhost`: the driver's libraries never enter the agent), ended afterwards."""
+    host = NvmlHost(timeout_s=timeout_s, init_timeout_s=timeout_s)
     try:
-        import pynvml
-    except ImportError:
-        return DriverInfo(error="NVML: nvidia-ml-py is not installed")
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
+        host.nvmlInit()
+    except NVMLError as exc:
+        host.close()
         return DriverInfo(error=f"NVML: {exc}")
     try:
-        version = pynvml.nvmlSystemGetDriverVersion()
-        if isinstance(version, bytes):
-            version = version.decode()
-        cuda_int = int(pynvml.nvmlSystemGetCudaDriverVersion())
+        version = host.nvmlSystemGetDriverVersion()
+        cuda_int = int(host.nvmlSystemGetCudaDriverVersion())
         cuda = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
         return DriverInfo(version=str(version), cuda=cuda, source="nvml")
-    except pynvml.NVMLError as exc:
+    except NVMLError as exc:
         return DriverInfo(error=f"NVML: {exc}")
     finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
+        with contextlib.suppress(NVMLError):
+            host.nvmlShutdown()
+        host.close()
 
 
 async def read_driver(timeout_s: float) -> DriverInfo:
     """The driver through NVML, else ``nvidia-smi``; each gets ``timeout_s``. Never raises."""
     try:
-        info = await in_thread(_nvml_driver, timeout_s, "preflight-nvml")
+        info = await in_thread(lambda: _nvml_driver(timeout_s), timeout_s + 5, "preflight-nvml")
     except TimeoutError:
         info = DriverInfo(error=f"NVML: no answer within {timeout_s:.0f} s")
     if info.version is not None:

@@ -1,0 +1,299 @@
+"""NVML through the NVML host process (agent/nvml.py, agent/nvmlhost.py), for real: the host is
+a real ``python -I -S agent/nvml.py`` that loads, through ctypes and the dynamic loader, a
+``libnvidia-ml.so.1`` found on ``LD_LIBRARY_PATH``. This machine has no driver, so that library
+is tests/fakes/nvml/fake_nvml.c, compiled here: NVML's C symbols and return codes over a box
+scripted by a control file the tests rewrite while the host runs (hangs and crashes included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import nvml as nv
+from agent.gpuhealth import GpuMonitor
+from agent.nvmlhost import NvmlHost
+from agent.preflight.driver import read_driver
+
+FAKE_SOURCE = Path(__file__).parent / "fakes" / "nvml" / "fake_nvml.c"
+
+
+@pytest.fixture(scope="session")
+def fake_lib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (Debian's gcc) is needed to build the stand-in libnvidia-ml.so.1"
+    out = tmp_path_factory.mktemp("nvml")
+    subprocess.run(
+        [cc, "-Wall", "-shared", "-fPIC", "-o", str(out / "libnvidia-ml.so.1"), str(FAKE_SOURCE)],
+        check=True,
+    )
+    return out
+
+
+class Box:
+    """The control file of the stand-in library."""
+
+    def __init__(self, path: Path, calls: Path) -> None:
+        self.path = path
+        self.calls = calls
+        self.values: dict[str, str] = {}
+
+    def set(self, **values: object) -> None:
+        self.values.update({k: str(v) for k, v in values.items()})
+        lines = [f"{k}={v}" for k, v in self.values.items()] + [f"calls={self.calls}"]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(self.path)
+
+    def called(self) -> list[str]:
+        return self.calls.read_text().split() if self.calls.exists() else []
+
+
+@pytest.fixture
+def box(fake_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Box:
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_lib_dir))
+    monkeypatch.setenv("FAKE_NVML_CONTROL", str(tmp_path / "box.txt"))
+    b = Box(tmp_path / "box.txt", tmp_path / "calls.txt")
+    b.set(gpus=2, util=97, power=650000, limit=700000, ecc=0)
+    return b
+
+
+@pytest.fixture
+def host() -> Iterator[NvmlHost]:
+    h = NvmlHost(timeout_s=2.0, init_timeout_s=10.0)
+    yield h
+    h.close()
+
+
+def _maps(pid: int | str) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def test_every_call_reaches_the_c_library_through_the_host(box: Box, host: NvmlHost) -> None:
+    box.set(temp=61, reasons=nv.nvmlClocksEventReasonHwThermalSlowdown, xids="1:79")
+    host.nvmlInit()
+    assert host.nvmlDeviceGetCount() == 2
+    h0, h1 = host.nvmlDeviceGetHandleByIndex(0), host.nvmlDeviceGetHandleByIndex(1)
+    assert isinstance(h0, int) and h0 != h1
+    assert host.nvmlDeviceGetUUID(h1) == "GPU-fake-1"
+    assert host.nvmlDeviceGetIndex(h1) == 1
+    rates = host.nvmlDeviceGetUtilizationRates(h0)
+    assert (rates.gpu, rates.memory) == (97, 0)
+    assert host.nvmlDeviceGetPowerUsage(h0) == 650000
+    assert host.nvmlDeviceGetEnforcedPowerLimit(h0) == 700000
+    assert host.nvmlDeviceGetTemperature(h0, nv.NVML_TEMPERATURE_GPU) == 61
+    args = (h0, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+    assert host.nvmlDeviceGetTotalEccErrors(*args) == 0
+    assert host.nvmlDeviceGetCurrentClocksEventReasons(h0) == 0x40
+    assert host.nvmlSystemGetDriverVersion() == "580.159.04"
+    assert host.nvmlSystemGetCudaDriverVersion() == 13000
+    events = host.nvmlEventSetCreate()
+    host.nvmlDeviceRegisterEvents(h1, nv.nvmlEventTypeXidCriticalError, events)
+    data = host.nvmlEventSetWait(events, 0)
+    assert (data.device, data.eventType, data.eventData) == (h1, 8, 79)
+    with pytest.raises(nv.NVMLError) as no_event:
+        host.nvmlEventSetWait(events, 0)
+    assert no_event.value.value == nv.NVML_ERROR_TIMEOUT
+    host.nvmlEventSetFree(events)
+    host.nvmlShutdown()
+    # pynvml's C symbols, versioned where pynvml uses the versioned ones.
+    for symbol in (
+        "nvmlInitWithFlags",
+        "nvmlDeviceGetCount_v2",
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlEventSetWait_v2",
+        "nvmlShutdown",
+    ):
+        assert symbol in box.called()
+
+
+def test_the_library_is_mapped_in_the_host_never_in_the_agent(box: Box) -> None:
+    gpu = GpuMonitor()
+    try:
+        assert gpu.available
+        host_pid = gpu._nvml.pid
+        assert host_pid is not None and host_pid != os.getpid()
+        assert "libnvidia-ml.so.1" in _maps(host_pid)
+        assert "libnvidia-ml" not in _maps("self")
+        # The host is a bare interpreter: -I -S, nothing of the agent's site-packages.
+        cmdline = Path(f"/proc/{host_pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[1:3] == [b"-I", b"-S"] and cmdline[3].endswith(b"agent/nvml.py")
+    finally:
+        gpu.close()
+    assert _gone(host_pid)
+    assert "nvmlShutdown" in box.called()
+
+
+def test_the_monitor_over_the_host_sees_load_xid_ecc_and_a_lost_gpu(box: Box) -> None:
+    box.set(xids="0:13,0:79")
+    gpu = GpuMonitor()
+    try:
+        samples = gpu.samples()
+        assert [(s.index, s.util_pct, s.power_w, s.power_limit_w) for s in samples] == [
+            (0, 97.0, 650.0, 700.0),
+            (1, 97.0, 650.0, 700.0),
+        ]
+        assert all(s.busy for s in samples)
+        faults = gpu.faults()  # Xid 13 is the application's: only 79 is a box fault
+        assert [(f.index, f.kind) for f in faults] == [(0, "xid")]
+        assert "Xid 79" in faults[0].message and "GPU-fake-0" in faults[0].message
+        assert gpu.faults() == []  # each event once
+        box.set(ecc=2)
+        assert [(f.index, f.kind) for f in gpu.faults()] == [(0, "ecc_dbe"), (1, "ecc_dbe")]
+        box.set(lost=1)
+        lost = gpu.faults()
+        assert [(f.index, f.kind) for f in lost] == [(1, "lost")]
+        assert "GPU is lost" in lost[0].message
+    finally:
+        gpu.close()
+
+
+def test_a_call_that_hangs_in_the_driver_kills_the_host_not_the_agent(
+    box: Box, host: NvmlHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = GpuMonitor(host)
+    assert gpu.available
+    pid = host.pid
+    assert pid is not None
+    box.set(hang="nvmlDeviceGetPowerUsage")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="agent.gpu"):
+        samples = gpu.samples()
+    took = time.monotonic() - t0
+    assert took < 10, took  # the host's 2 s timeout, then the kill
+    assert (samples[0].util_pct, samples[0].power_w) == (97.0, None)
+    assert _gone(pid)
+    reason = gpu.unavailable_reason or ""
+    assert "did not answer nvmlDeviceGetPowerUsage within 2 s" in reason
+    assert "no longer watched" in reason
+    assert gpu.available is False
+    assert [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+    # From now on nothing is asked: no new host, nothing blocks.
+    box.set(hang="")
+    t0 = time.monotonic()
+    assert gpu.samples() == [] and gpu.faults() == []
+    assert time.monotonic() - t0 < 1
+    assert host.pid is None
+    gpu.close()
+
+
+def test_a_driver_that_crashes_its_caller_crashes_the_host(box: Box, host: NvmlHost) -> None:
+    gpu = GpuMonitor(host)
+    assert gpu.available
+    box.set(crash="nvmlDeviceGetUtilizationRates")
+    gpu.samples()
+    reason = gpu.unavailable_reason or ""
+    assert "NVML host died during nvmlDeviceGetUtilizationRates" in reason
+    assert "SIGSEGV" in reason
+    assert gpu.faults() == []
+    with pytest.raises(nv.NVMLError) as again:
+        host.nvmlDeviceGetCount()
+    assert again.value.value == nv.HOST_GONE
+
+
+def test_a_driver_that_does_not_start_leaves_the_monitor_unavailable(box: Box) -> None:
+    box.set(init_rc=nv.NVML_ERROR_DRIVER_NOT_LOADED)
+    gpu = GpuMonitor()
+    assert gpu.available is False
+    assert gpu.unavailable_reason == (
+        "NVML did not start: Driver Not Loaded (no NVIDIA driver or GPU here)"
+    )
+    assert gpu._nvml.pid is None  # ended at once: nothing to watch
+    gpu.close()
+
+
+def test_the_host_ignores_sigint_and_ends_with_its_pipe(box: Box, host: NvmlHost) -> None:
+    host.nvmlInit()
+    pid = host.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGINT)  # a Ctrl-C meant for the agent reaches its process group
+    time.sleep(0.2)
+    assert host.nvmlDeviceGetCount() == 2
+    host.close()
+    assert _gone(pid)
+    with pytest.raises(nv.NVMLError) as closed:
+        host.nvmlDeviceGetCount()
+    assert closed.value.value == nv.HOST_GONE
+
+
+def test_the_host_ends_when_the_agent_is_killed(box: Box, tmp_path: Path) -> None:
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import sys, time
+                from agent.nvmlhost import NvmlHost
+                host = NvmlHost()
+                host.nvmlInit()
+                print(host.pid, flush=True)
+                time.sleep(60)
+                """
+            ),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None
+        host_pid = int(agent.stdout.readline())
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        # The kernel closed the agent's end of the pipe: the host read end of input and left.
+        assert _gone(host_pid)
+    finally:
+        agent.kill()
+        agent.wait()
+        if agent.stdout is not None:
+            agent.stdout.close()
+
+
+def test_requests_the_host_does_not_know_are_refused_not_fatal() -> None:
+    lib = nv.Library("libnvidia-ml-not-here.so.1")
+    assert nv.answer(lib, b'{"fn": "nvmlDeviceGetCount", "args": []}') == {
+        "err": nv.NVML_ERROR_UNINITIALIZED,
+        "msg": "Uninitialized",
+    }
+    assert nv.answer(lib, b'{"fn": "nvmlInit"}')["err"] == nv.NVML_ERROR_LIBRARY_NOT_FOUND
+    refused = nv.answer(lib, b'{"fn": "__init__", "args": []}')
+    assert refused["err"] == nv.NVML_ERROR_INVALID_ARGUMENT
+    assert nv.answer(lib, b"not json")["err"] == nv.NVML_ERROR_INVALID_ARGUMENT
+    assert nv.answer(lib, b'{"fn": "nvmlDeviceGetIndex", "args": "x"}')["err"] == 2
+
+
+def test_preflight_reads_the_driver_through_a_host_it_ends(box: Box) -> None:
+    box.set(driver="570.86.15", cuda=12080)
+    info = asyncio.run(read_driver(10.0))
+    assert (info.version, info.cuda, info.source) == ("570.86.15", "12.8", "nvml")
+    assert "nvmlShutdown" in box.called()
+    box.set(init_rc=nv.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+    failed = asyncio.run(read_driver(10.0))
+    assert failed.version is None
+    assert "NVML: RM has detected an NVML/RM version mismatch." in (failed.error or "")
