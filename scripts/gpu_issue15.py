@@ -153,6 +153,8 @@ def sample(pid: int, out: Path) -> int:
         with contextlib.suppress(psutil.Error, OSError, ValueError):
             for child in proc.children():
                 if any(a.endswith("agent/nvml.py") for a in child.cmdline()):
+                    ct = child.cpu_times()
+                    doc["nvml_host_cpu_s"] = round(ct.user + ct.system, 3)
                     for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
                         if line.startswith("VmHWM:"):
                             host = round(int(line.split()[1]) / 1024, 1)
@@ -352,7 +354,11 @@ def report(d: Path, name: str, serve_dir: Path, t0: float | None) -> int:
             host_peak = use.get("nvml_host_peak_mib")
             print(
                 "  NVML host (python -I -S agent/nvml.py, the agent's child): "
-                + (f"peak RSS (VmHWM) {host_peak} MiB" if host_peak else "none seen")
+                + (
+                    f"peak RSS (VmHWM) {host_peak} MiB, CPU {use.get('nvml_host_cpu_s')} s"
+                    if host_peak
+                    else "none seen"
+                )
             )
             last = run_dir / "weights" / "last.pt" if run_dir is not None else None
             if last is not None and last.is_file():
