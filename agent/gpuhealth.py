@@ -196,7 +196,7 @@ class GpuMonitor:
 
     @property
     def unavailable_reason(self) -> str | None:
-        """Why the monitor is unavailable (no driver, no GPU, no nvidia-ml-py), else None."""
+        """Why the monitor is unavailable (no driver, no GPU, the NVML host gone), else None."""
         with self._lock:
             self._open()
             return None if self._usable() else self._reason
@@ -483,7 +483,7 @@ class GpuMonitor:
             return None
         nvml = self._nvml
         call = getattr(nvml, fn, None)
-        if call is None:  # a deprecated function a newer nvidia-ml-py dropped
+        if call is None:  # a function the binding (or a stand-in) does not have
             return _UNSUPPORTED
         try:
             return call(*args)

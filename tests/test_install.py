@@ -84,7 +84,7 @@ def test_cpu_machine_gets_the_default_torch_then_the_agent(
     assert agent.endswith(extras), agent  # printf %q escapes the brackets and commas
     assert torch.endswith("install torch==2.14.1 torchvision==0.29.1")
     assert "no nvidia-smi: a CPU machine" in out
-    assert "gpu" not in agent  # nvidia-ml-py is a core dependency: there is no gpu extra
+    assert "gpu" not in agent  # NVML is our own ctypes binding (agent/nvml.py): no gpu extra
 
 
 def test_job_extras_go_with_the_agent_install(tmp_path: Path) -> None:

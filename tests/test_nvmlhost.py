@@ -8,6 +8,7 @@ scripted by a control file the tests rewrite while the host runs (hangs and cras
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -18,13 +19,19 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent import nvml as nv
+from agent.config import Env
+from agent.daemon import Daemon
 from agent.gpuhealth import GpuMonitor
 from agent.nvmlhost import NvmlHost
 from agent.preflight.driver import read_driver
+from agent.state import Reason
+from tests.fakes.scripted_launcher import ScriptedLauncher
+from tests.support import tiny_job, wait_for
 
 FAKE_SOURCE = Path(__file__).parent / "fakes" / "nvml" / "fake_nvml.c"
 
@@ -298,3 +305,69 @@ def test_preflight_reads_the_driver_through_a_host_it_ends(box: Box) -> None:
     failed = asyncio.run(read_driver(10.0))
     assert failed.version is None
     assert "NVML: RM has detected an NVML/RM version mismatch." in (failed.error or "")
+
+
+# ------------------------------------------------------------------------------------------
+# The whole agent: its supervision loop over a GPU monitor on the host
+
+
+def _run_daemon(tmp: Path, gpu: GpuMonitor, during: Any) -> Daemon:
+    data = tmp / "data.yaml"
+    data.write_text("train: images\nval: images\nnames:\n  0: box\n")
+    job = tiny_job(tmp, data, epochs=5, sections=f'[sync]\ntarget = "file://{tmp / "synced"}"\n')
+    daemon = Daemon(
+        job,
+        Env(state_dir=tmp / "state"),
+        launcher=ScriptedLauncher(epoch_s=0.3),
+        gpu=gpu,
+        poll_interval_s=0.1,
+    )
+
+    async def main() -> int:
+        side = asyncio.create_task(during(tmp / "runs" / "run1"))
+        try:
+            return await asyncio.wait_for(daemon.run(), 120)
+        finally:
+            side.cancel()
+
+    assert asyncio.run(main()) == 0
+    return daemon
+
+
+async def _epoch(run_dir: Path, n: int) -> None:
+    def reached() -> bool:
+        try:
+            return int(json.loads((run_dir / "status.json").read_text())["completed_epochs"]) >= n
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    await wait_for(reached, 60)
+
+
+def test_an_xid_seen_by_the_host_stops_the_run_as_a_box_fault(box: Box, tmp_path: Path) -> None:
+    async def xid_at_epoch_2(run_dir: Path) -> None:
+        await _epoch(run_dir, 2)
+        box.set(xids="0:79")
+
+    daemon = _run_daemon(tmp_path, GpuMonitor(), xid_at_epoch_2)
+    assert daemon.state.reason == Reason.TRAINING_FAILED
+    assert "GPU fault: GPU 0 (GPU-fake-0): Xid 79 (GPU has fallen off the bus)" in (
+        daemon.state.cause or ""
+    )
+    assert daemon.state.resumes == []  # a box fault is not resumed on the same box
+    assert daemon.gpu is not None and daemon.gpu._nvml.pid is None  # the host ended with the agent
+
+
+def test_a_hung_nvml_call_does_not_freeze_the_supervision_loop(box: Box, tmp_path: Path) -> None:
+    async def hang_at_epoch_2(run_dir: Path) -> None:
+        await _epoch(run_dir, 2)
+        box.set(hang="nvmlEventSetWait_v2")  # faults() asks for Xid events every loop turn
+
+    host = NvmlHost(timeout_s=1.0)
+    daemon = _run_daemon(tmp_path, GpuMonitor(host), hang_at_epoch_2)
+    assert daemon.state.reason == Reason.COMPLETED, daemon.state.cause
+    log = (tmp_path / "state" / "agent.log").read_text()
+    assert "NVML did not answer nvmlEventSetWait within 1 s" in log
+    assert daemon.gpu is not None
+    assert "no longer watched" in (daemon.gpu.unavailable_reason or "")
+    host.close()

@@ -117,7 +117,7 @@ def evaluate_driver(
             WARN,
             value + ", yet torch sees CUDA",
             "torch works, so only the driver checks are skipped; for them, make NVML "
-            "(libnvidia-ml.so, nvidia-ml-py) or nvidia-smi available",
+            "(libnvidia-ml.so.1) or nvidia-smi available",
             **details,
         )
     if cpu_ok:

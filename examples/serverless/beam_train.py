@@ -71,7 +71,6 @@ AGENT_REQUIREMENTS = [
     "httpx>=0.23,<1",
     "httpx2>=2,<3",
     "pyyaml>=6",
-    "nvidia-ml-py>=12",
     "prometheus-client>=0.20",
     "libreyolo==1.6.0",
 ]
