@@ -106,6 +106,7 @@ wait_epoch() { # $1 epoch, $2 agent pid: 0 once reached, 1 when the agent ended 
   done; return 1
 }
 trainer_pid() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['trainer']['pid'])" "$1/state/state.json" 2>/dev/null; }
+nvml_hosts() { pgrep -fc 'agent/nvml\.py' || true; }   # the agent's NVML host processes
 gpu_busy() { [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d '[:space:]')" ]; }
 
 # (1) whole jobs
@@ -161,11 +162,14 @@ export LIBREYOLO_AGENT_STATE_DIR="$D/state"
 say "(2b) agent SIGKILL at epoch >= 2, a second agent re-attaches"
 run_agent "$D" "$iid" agent1.log; a1=$apid
 wait_epoch 2 "$a1"; e=$(epoch_of)
+hosts_before=$(nvml_hosts)
 kill -9 "$a1"; wait "$a1" 2>/dev/null
 tp=$(trainer_pid "$D")
 alive=$(kill -0 "${tp:-0}" 2>/dev/null && echo alive || echo gone)
+sleep 1; hosts_after=$(nvml_hosts)   # the dead agent's NVML host read end of input and left
 t0=$(now); run_agent "$D" "$iid" agent2.log; wait "$apid"; rc=$?
 echo "-- (2b) agent SIGKILLed at epoch $e (trainer $tp $alive); second agent exit $rc after $(secs "$t0" "$(now)") s" >> "$R"
+echo "  NVML hosts running: $hosts_before before the SIGKILL, $hosts_after 1 s after it (must be 0)" >> "$R"
 echo "  'trainer started' lines: first agent $(grep -c 'trainer started' "$D/agent1.log"), second $(grep -c 'trainer started' "$D/agent2.log") (must total 1); 're-attached to trainer' in the second: $(grep -c 're-attached to trainer' "$D/agent2.log")" >> "$R"
 CONTAINER_ID=$iid $H15 report "$D" i15-reattach "$B/serve" >> "$R" 2>&1
 
@@ -184,6 +188,7 @@ echo "-- (2c) agent + trainer tree SIGKILLed at epoch $e ($(cat "$D/kill.txt"));
 grep -E "rebooted|resum" "$D/agent2.log" | head -4 | cut -c1-220 | sed 's/^/  log: /' >> "$R"
 CONTAINER_ID=$iid $H15 report "$D" i15-reboot "$B/serve" >> "$R" 2>&1
 unset LIBREYOLO_AGENT_STATE_DIR
+echo "-- NVML hosts left running after every scenario: $(nvml_hosts) (must be 0)" >> "$R"
 fi
 # How the checkpoints went up (the agent's default: Git LFS, HF_HUB_DISABLE_XET unset above).
 python3 -c 'import json,sys; print("-- fake Hub requests by route:", json.load(open(sys.argv[1]))["hub_routes"])' \
