@@ -149,6 +149,8 @@ def sample(pid: int, out: Path) -> int:
                     rss = int(line.split()[1]) * 1024
         except (psutil.Error, OSError, ValueError):
             break
+        if not hwm or not rss:  # it exited between the two reads: /proc shows no memory then
+            break
         # The NVML host the agent starts on a GPU box (agent/nvmlhost.py): its own peak.
         with contextlib.suppress(psutil.Error, OSError, ValueError):
             for child in proc.children():
@@ -163,7 +165,7 @@ def sample(pid: int, out: Path) -> int:
             cpu_s=round(t.user + t.system, 3),
             user_s=round(t.user, 3),
             system_s=round(t.system, 3),
-            peak_rss_mib=round(max(hwm, 0) / 2**20, 1),
+            peak_rss_mib=max(doc.get("peak_rss_mib", 0), round(hwm / 2**20, 1)),
             rss_mib=round(rss / 2**20, 1),
             rss_samples=[*doc.get("rss_samples", []), round(rss / 2**20, 1)],
             samples=doc["samples"] + 1,
