@@ -138,6 +138,7 @@ class NvmlHost:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
+                env=host_env(),
             )
         except OSError as exc:
             raise self._fail(nvml.HOST_GONE, f"the NVML host did not start: {exc}") from None
@@ -209,6 +210,23 @@ class NvmlHost:
             with contextlib.suppress(ValueError):
                 return f"killed by {signal.Signals(-code).name}"
         return f"exit status {code}"
+
+
+#: Parts of a variable's name that mark it a secret (``HF_TOKEN``, ``VAST_API_KEY``,
+#: ``AWS_SECRET_ACCESS_KEY``, ...): the host, which loads a driver library and needs none of
+#: them, is started without these.
+SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def host_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment without its secrets: what the loader needs (``PATH``,
+    ``LD_LIBRARY_PATH``) and the driver's own settings stay."""
+    source = os.environ if environ is None else environ
+    return {
+        name: value
+        for name, value in source.items()
+        if not any(part in name.upper() for part in SECRET_NAME_PARTS)
+    }
 
 
 class _Struct:

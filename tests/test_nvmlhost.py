@@ -235,6 +235,20 @@ def test_a_driver_that_does_not_start_leaves_the_monitor_unavailable(box: Box) -
     gpu.close()
 
 
+def test_the_host_gets_no_secret_of_the_agent(
+    box: Box, host: NvmlHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_Zq9w1")
+    monkeypatch.setenv("VAST_API_KEY", "vk_Zq9w2")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_Zq9w3")
+    host.nvmlInit()
+    environ = Path(f"/proc/{host.pid}/environ").read_bytes().split(b"\0")
+    names = {e.split(b"=", 1)[0] for e in environ if e}
+    assert b"LD_LIBRARY_PATH" in names and b"PATH" in names  # what the loader needs stays
+    assert not names & {b"HF_TOKEN", b"VAST_API_KEY", b"AWS_SECRET_ACCESS_KEY"}
+    assert b"Zq9w" not in b"".join(environ)
+
+
 def test_the_host_ignores_sigint_and_ends_with_its_pipe(box: Box, host: NvmlHost) -> None:
     host.nvmlInit()
     pid = host.pid
