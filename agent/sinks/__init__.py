@@ -135,16 +135,29 @@ class Digests:
 DIGESTS = Digests()
 
 
-def copy_hashing(src: Path, dst: Path, chunk: int = 1 << 20) -> str:
+def copy_hashing(src: Path, dst: Path, chunk: int = 1 << 20, *, known_ok: bool = False) -> str:
     """Copy ``src`` to ``dst`` and return the sha256 of the bytes copied: one read of the
-    source instead of a copy and a second read to hash (a checkpoint is hundreds of MB)."""
-    h = hashlib.sha256()
+    source instead of a copy and a second read to hash (a checkpoint is hundreds of MB).
+
+    ``known_ok``: when :data:`DIGESTS` knows this very version of ``src`` (a snapshot, hashed
+    as it was made) the copy is not hashed again and that digest is returned, provided ``src``
+    kept the identity through the copy; a source that changed meanwhile is copied again,
+    hashing what is copied."""
     with open(src, "rb", buffering=0) as f, open(dst, "wb", buffering=0) as out:
+        before = os.fstat(f.fileno())
+        known = DIGESTS.peek(before) if known_ok else None
+        h = hashlib.sha256() if known is None else None
         for block in _blocks(f, chunk):
-            h.update(block)
+            if h is not None:
+                h.update(block)
             while block:
                 block = block[out.write(block) :]
-    return h.hexdigest()
+        if h is not None:
+            return h.hexdigest()
+        unchanged = Digests.identity(os.fstat(f.fileno())) == Digests.identity(before)
+    if unchanged and known is not None:
+        return known
+    return copy_hashing(src, dst, chunk)
 
 
 def check_download(tmp: Path, local: Path, expected: RemoteFile, action: str) -> RemoteFile:

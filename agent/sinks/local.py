@@ -31,7 +31,8 @@ class LocalSink:
         tmp = target.with_name(f".{target.name}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            digest = copy_hashing(local, tmp)
+            # A snapshot's sha256 is known (hashed once, as it was made): not hashed again.
+            digest = copy_hashing(local, tmp, known_ok=True)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
