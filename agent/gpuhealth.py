@@ -387,7 +387,7 @@ class GpuMonitor:
         """The watched GPU an event came from (by index), or an 'unknown GPU' stand-in."""
         nvml = self._nvml
         for g in self._gpus:
-            if device is g.handle or (isinstance(device, int) and device == g.handle):
+            if device == g.handle:  # the host's handles are integers, equal not identical
                 return g
         try:
             index = int(nvml.nvmlDeviceGetIndex(device))

@@ -44,19 +44,17 @@ def _nvml_driver(timeout_s: float) -> DriverInfo:
     host = NvmlHost(timeout_s=timeout_s, init_timeout_s=timeout_s)
     try:
         host.nvmlInit()
-    except NVMLError as exc:
-        host.close()
-        return DriverInfo(error=f"NVML: {exc}")
-    try:
-        version = host.nvmlSystemGetDriverVersion()
-        cuda_int = int(host.nvmlSystemGetCudaDriverVersion())
+        try:
+            version = host.nvmlSystemGetDriverVersion()
+            cuda_int = int(host.nvmlSystemGetCudaDriverVersion())
+        finally:
+            with contextlib.suppress(NVMLError):
+                host.nvmlShutdown()
         cuda = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
         return DriverInfo(version=str(version), cuda=cuda, source="nvml")
     except NVMLError as exc:
         return DriverInfo(error=f"NVML: {exc}")
     finally:
-        with contextlib.suppress(NVMLError):
-            host.nvmlShutdown()
         host.close()
 
 
