@@ -576,10 +576,19 @@ class SyncEngine:
         if not drain.result():
             log.error("final sync did not finish within %.0fs", timeout_s)
         result = await self.verify_all(
-            run_dir, completed_epochs=status.completed_epochs if status else None
+            run_dir,
+            completed_epochs=status.completed_epochs if status else None,
+            changed_only=True,
         )
         if result.sync_verified:
-            log.info("sync verified: %d file(s) match on %s", result.checked, self.sink.description)
+            log.info(
+                "sync verified: %d file(s) match on %s (%d read back now, %d verified earlier "
+                "and unchanged)",
+                result.checked,
+                self.sink.description,
+                result.read_back,
+                result.trusted,
+            )
         else:
             log.error(
                 "sync NOT verified: %d problem(s): %s",
@@ -589,10 +598,15 @@ class SyncEngine:
         return True
 
     async def verify_all(
-        self, run_dir: Path | None = None, *, completed_epochs: int | None = None
+        self,
+        run_dir: Path | None = None,
+        *,
+        completed_epochs: int | None = None,
+        changed_only: bool = False,
     ) -> VerifyResult:
-        """Read back what the target must hold (:func:`~agent.syncverify.verify_target`),
-        keep the result for ``/status`` and write it to ``sync-result.json``."""
+        """Read back what the target must hold (:func:`~agent.syncverify.verify_target`; with
+        ``changed_only``, what the ledger has not verified at its present content), keep the
+        result for ``/status`` and write it to ``sync-result.json``."""
         result = await verify_target(
             self.sink,
             list(self.ledger.entries.values()),
@@ -600,6 +614,7 @@ class SyncEngine:
             completed_epochs=completed_epochs,
             timeout_s=self.cfg.upload_timeout_s,
             now=self._clock,
+            changed_only=changed_only,
         )
         self.verify_result = result
         try:

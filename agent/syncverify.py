@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .ledger import LedgerEntry
+from .ledger import LedgerEntry, LedgerStatus
 from .rundir import epoch_snapshots
 from .sinks import RemoteFile, Sink, SinkError
 from .snapshots import live_snapshot
@@ -28,6 +28,11 @@ class VerifyResult:
     at: float
     #: Files on disk that were not checked, and why (a checkpoint torn at exit).
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: Paths read back from the target for this check.
+    read_back: int = 0
+    #: Paths not read again: the ledger holds them verified (read back after their upload)
+    #: with exactly the content expected now (``changed_only``).
+    trusted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,17 +46,34 @@ async def verify_target(
     completed_epochs: int | None,
     timeout_s: float,
     now: Callable[[], float],
+    changed_only: bool = False,
 ) -> VerifyResult:
     """Read back every path in ``entries`` and compare size and sha256; with ``run_dir``, also
     require every checkpoint on disk to be on the target: ``last.pt``, ``best.pt`` (at their
     path or, after an unclean exit, as ``<name>.at-exit.pt``) and each ``epoch_N.pt`` with
     N <= ``completed_epochs`` (None: all of them - call it once the trainer has exited). A
     checkpoint that is not a valid zip is skipped, with a note. Each read-back waits at most
-    ``timeout_s``."""
+    ``timeout_s``.
+
+    With ``changed_only`` (the end of training, where every second is billed) a path the ledger
+    holds as verified - read back with its size and sha256 after its upload - is trusted with
+    that content and not read again; everything else is read back. Nothing unverified is
+    trusted: a ledger entry still pending, and a checkpoint on disk whose content differs from
+    what the ledger verified at its place, are read back as before."""
     read: dict[str, RemoteFile | None] = {}
     missing: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     expected = {e.remote_path for e in entries}
+    verified: dict[str, tuple[str, int]] = (
+        {
+            e.remote_path: (e.sha256, e.size)
+            for e in entries
+            if e.status is LedgerStatus.VERIFIED and e.verified_at is not None
+        }
+        if changed_only
+        else {}
+    )
+    trusted: set[str] = set()
 
     async def read_back(path: str) -> RemoteFile | None:
         if path not in read:
@@ -62,6 +84,9 @@ async def verify_target(
         return read[path]
 
     for e in entries:
+        if e.remote_path in verified:
+            trusted.add(e.remote_path)
+            continue
         try:
             remote = await read_back(e.remote_path)
         except (SinkError, OSError) as exc:  # TimeoutError is an OSError
@@ -89,6 +114,9 @@ async def verify_target(
                 continue
             checked += places[0] not in expected
             problem = "on disk but not on the target"
+            if any(verified.get(place) == ident for place in places):
+                trusted.update(p for p in places if verified.get(p) == ident)
+                continue
             for place in places:
                 try:
                     remote = await read_back(place)
@@ -99,7 +127,15 @@ async def verify_target(
                     break
             else:
                 missing.append({"path": places[0], "problem": problem})
-    return VerifyResult(not missing and checked > 0, checked, missing, now(), skipped)
+    return VerifyResult(
+        not missing and checked > 0,
+        checked,
+        missing,
+        now(),
+        skipped,
+        read_back=len(read),
+        trusted=len(trusted - set(read)),
+    )
 
 
 def _checkpoints_on_disk(
