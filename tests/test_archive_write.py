@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.archive import ArchiveError, safe_unpack
+from agent.archive import ArchiveError, UnsafeArchiveError, safe_unpack
 from tests.test_archive import (
     MiB,
     reg,
@@ -135,6 +135,38 @@ def test_hardlinks_become_independent_copies(tmp_path: Path) -> None:
     assert copy.stat().st_ino != original.stat().st_ino and original.stat().st_nlink == 1
     copy.write_bytes(b"path: /etc\n")  # what training, or a later tool, might do
     assert original.read_bytes() == b"train: images/train\n"
+
+
+# --------------------------------------------------------------------------------------------
+# tarfile's own data filter (PEP 706): a second opinion where Python has it, never relied on
+
+
+def test_tarfiles_data_filter_is_a_second_opinion_where_python_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = getattr(tarfile, "data_filter", None)
+    if real is None:
+        pytest.skip(
+            "this Python's tarfile has no data_filter (PEP 706 came in 3.11.4): the unpack relies "
+            "on its own checks alone (tests/test_archive_no_pep706.py)"
+        )
+    seen: list[str] = []
+
+    def stricter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+        # Our plan refuses all the real filter refuses, so only a stand-in can refuse what it
+        # passed: the one fault this test injects.
+        seen.append(member.name)
+        if member.name == "ds/b.txt":
+            raise tarfile.OutsideDestinationError(member, dest)
+        return real(member, dest)
+
+    monkeypatch.setattr(tarfile, "data_filter", stricter)
+    archive = write(tmp_path / "ds.tar", tar_bytes(reg("ds/a.txt"), reg("ds/b.txt")))
+    before = snapshot(tmp_path)
+    with pytest.raises(UnsafeArchiveError, match=r"'ds/b\.txt': refused by tarfile's data filter"):
+        safe_unpack(archive, tmp_path / "data")
+    assert seen == ["ds/a.txt", "ds/b.txt"]
+    assert snapshot(tmp_path) == before  # ds/a.txt was written to the temp dir, then removed
 
 
 # --------------------------------------------------------------------------------------------

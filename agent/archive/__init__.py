@@ -7,8 +7,9 @@ declared size is compared with the free disk (keeping a headroom, the preflight'
 default) and with the archive's own size (a decompression bomb), and the bytes are counted again
 as they are written, stopping at the first one over. The tree is built in a temporary sibling
 directory that is renamed into place only when complete: a failed unpack leaves nothing
-half-written in ``dest``. Tar members also pass ``tarfile.data_filter`` (PEP 706) on top of our
-own checks; hardlinks are written as independent copies, and modes are reduced to 0644/0755.
+half-written in ``dest``. Where Python has it (3.11.4+), tar members also pass
+``tarfile.data_filter`` (PEP 706) on top of our own checks, which do not rely on it; hardlinks are
+written as independent copies, and modes are reduced to 0644/0755.
 
 :func:`safe_unpack` does it all in one call. A caller that must look at what an archive holds
 before making room for it (staging replaces an earlier tree only once the new archive passed)

@@ -150,13 +150,36 @@ def unpack(
     return budget.written
 
 
+class _NoFilterError(Exception):
+    """Stands in for ``tarfile.FilterError`` where there is none: nothing raises it."""
+
+
+def _pep706() -> tuple[Callable[[tarfile.TarInfo, str], object] | None, type[Exception]]:
+    """``tarfile.data_filter`` and ``tarfile.FilterError`` where this Python has them (PEP 706:
+    3.11.4 and later; Debian 12's 3.11.2 has neither), else ``(None, a class nothing raises)``.
+
+    The filter is only a second opinion: :func:`~agent.archive.plan.make_plan` has already
+    refused everything it refuses (absolute paths, ``..``, links leaving the destination,
+    devices and FIFOs) and the writer sets every mode itself (0644/0755 files, 0755 folders,
+    never setuid, setgid, sticky or group/world write), so the unpack is as safe without it.
+    Looked up per call, not at import: a test hides it to stand for such a Python.
+    """
+    data_filter = getattr(tarfile, "data_filter", None)
+    filter_error = getattr(tarfile, "FilterError", None)
+    if data_filter is None or filter_error is None:
+        return None, _NoFilterError
+    return data_filter, filter_error
+
+
 def _extract_tar(archive: Path, tmp: Path, plan: UnpackPlan, budget: _Budget) -> None:
     made: set[Path] = {tmp}
+    data_filter, filter_error = _pep706()
     try:
         with tarfile.open(archive, "r:*") as tf:
             for entry, member in zip(plan.entries, plan.members, strict=True):
                 # A second opinion on our own checks (PEP 706); we write the result ourselves.
-                tarfile.data_filter(member, str(tmp))
+                if data_filter is not None:
+                    data_filter(member, str(tmp))
                 if entry.kind is Kind.FILE:
                     src = tf.extractfile(member)
                     if src is None:
@@ -171,7 +194,7 @@ def _extract_tar(archive: Path, tmp: Path, plan: UnpackPlan, budget: _Budget) ->
                         _write_file(tmp, entry, src, budget, made)
                 else:
                     _write_other(tmp, entry, made)
-    except tarfile.FilterError as exc:
+    except filter_error as exc:
         member = getattr(exc, "tarinfo", None)
         name = member.name if isinstance(member, tarfile.TarInfo) else "?"
         raise UnsafeArchiveError(
