@@ -156,3 +156,37 @@ def test_problem_json_detail_is_in_the_message(runpod: FakeRunPod) -> None:
     with pytest.raises(ProviderError) as info:
         asyncio.run(provider(runpod).identify())
     assert "bad pod id" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------ price
+
+
+@pytest.mark.parametrize(
+    ("fields", "price"),
+    [
+        (("cost",), 0.69),  # the REST v2 Pod
+        (("costPerHr",), 0.69),  # REST v1 / GraphQL
+        (("adjustedCostPerHr",), 0.69),  # v1, after discounts
+        ((), None),  # no price in the answer: unknown, never an error
+    ],
+)
+def test_the_price_is_read_from_whichever_field_the_pod_carries(
+    fields: tuple[str, ...], price: float | None
+) -> None:
+    with run_fake_runpod(keys={KEY}) as fake:
+        fake.add_instance(POD, price_fields=fields)
+        ident = asyncio.run(provider(fake).identify())
+        body = fake.calls("get")[0]
+        assert body.status == 200
+        assert ident.price_usd_per_hour == (pytest.approx(price) if price is not None else None)
+        assert asyncio.run(provider(fake).price_usd_per_hour()) == ident.price_usd_per_hour
+        assert fake.mutations() == []
+
+
+def test_v2_cost_wins_over_the_v1_fields_and_a_stopped_pod_reads_zero() -> None:
+    with run_fake_runpod(keys={KEY}) as fake:
+        fake.add_instance(POD, cost=1.25, price_fields=("costPerHr", "cost"))
+        assert asyncio.run(provider(fake).identify()).price_usd_per_hour == pytest.approx(1.25)
+        fake.add_instance("stopped0pod", status="EXITED", cost=1.25, price_fields=("cost",))
+        ident = asyncio.run(provider(fake, pod_id="stopped0pod").identify())
+        assert ident.price_usd_per_hour == 0.0  # the contract: 0.0 when EXITED

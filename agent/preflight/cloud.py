@@ -1,9 +1,11 @@
 """The provider side of preflight: can the agent act on THIS box, and what does it cost?
 
 Identifying the instance reads it and changes nothing, so a wrong or missing key fails while the
-box is still cheap, not at 3 a.m. after training; the check names the variable to set. Where the
-provider reports the instance's price, it is the job's price (``price_usd_per_hour = "auto"``)
-and ``limits.max_price_usd_per_hour`` refuses a box that costs more.
+box is still cheap, not at 3 a.m. after training; the check names the variable to set (the
+``command`` provider: its executables are found, nothing is run). Where the provider reports the
+instance's price, it is the job's price (``price_usd_per_hour = "auto"``) and
+``limits.max_price_usd_per_hour`` refuses a box that costs more; a price the provider does not
+report is a warning (no cost figures), never a failure that would tear down a good box.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ PROVIDER_TIMEOUT_S = 60.0
 
 async def provider_check(job: Job | None, env: Env, timeout_s: float) -> Check | None:
     """The ``provider`` check; None when there is no job or the provider cannot be asked."""
-    if job is None or job.teardown.provider in ("none", "command"):
+    if job is None or job.teardown.provider == "none":
         return None
     provider = make_provider(job.teardown, env)
     name = f"provider.{job.teardown.provider}"
@@ -44,12 +46,28 @@ async def provider_check(job: Job | None, env: Env, timeout_s: float) -> Check |
     price = ident.price_usd_per_hour
     limits = job.limits
     value = ident.detail + (f", ${price:.4f}/h" if price is not None else "")
-    details = {"instance_id": ident.instance_id, "price_usd_per_hour": price}
+    details = {
+        "instance_id": ident.instance_id,
+        "price_usd_per_hour": price,
+        # What a stopped box pays, where the provider says it (agent/status.py reads these).
+        "disk_gb": ident.disk_gb,
+        "storage_usd_per_gb_month": ident.storage_usd_per_gb_month,
+    }
     if limits.price_auto and price is None:
+        # Unknown is not wrong: failing here would tear down a box that can train.
+        unguarded = [
+            what
+            for what, on in (
+                ("no budget_usd stop", limits.budget_usd is not None),
+                ("no max_price_usd_per_hour check", limits.max_price_usd_per_hour is not None),
+            )
+            if on
+        ]
         return make_check(
             name,
-            FAIL,
-            f"{value}; the provider reports no price for price_usd_per_hour = 'auto'",
+            WARN,
+            f"{value}; the provider reports no price for price_usd_per_hour = 'auto': no cost "
+            "figures or budget projection" + "".join(f", {u}" for u in unguarded),
             "give limits.price_usd_per_hour as a number",
             **details,
         )

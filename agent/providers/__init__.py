@@ -70,6 +70,10 @@ class Identity:
     detail: str
     #: What the instance costs per hour (USD) where the API says it, else None.
     price_usd_per_hour: float | None = None
+    #: The allocated disk (GB) and the storage price (USD per GB-month) where the API says
+    #: them (Vast), else None: what the box costs once stopped.
+    disk_gb: float | None = None
+    storage_usd_per_gb_month: float | None = None
 
 
 ProviderErrorKind = Literal["config", "auth", "not_found", "ambiguous", "unavailable", "rejected"]

@@ -74,6 +74,10 @@ class Reading:
     status: str
     #: The price the read showed (USD per hour), where the API gives one.
     price_usd_per_hour: float | None = None
+    #: The instance's allocated disk (GB) and what storage costs (USD per GB-month), where the
+    #: API gives them (Vast's ``disk_space`` and ``storage_cost``): what a stopped box pays.
+    disk_gb: float | None = None
+    storage_usd_per_gb_month: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,16 @@ class ApiProvider:
             f", ${price:.4f}/h" if price is not None else ""
         )
         log.info("provider: %s", detail)
-        return Identity(self.name, iid, source, reading.status, detail, price)
+        return Identity(
+            self.name,
+            iid,
+            source,
+            reading.status,
+            detail,
+            price,
+            disk_gb=reading.disk_gb,
+            storage_usd_per_gb_month=reading.storage_usd_per_gb_month,
+        )
 
     async def price_usd_per_hour(self) -> float | None:
         try:

@@ -6,7 +6,9 @@
   ``POST /v2/pods/{id}/action {"action": "terminate"}``); stop
   ``POST /v2/pods/{id}/action {"action": "stop"}`` (200 pod JSON or 204; 409 when the pod's state
   does not allow it); read ``GET /v2/pods/{id}``: ``status`` EXITED is stopped, TERMINATED or a
-  404 is gone (the contract leaves open which one a terminated pod gives: both are accepted).
+  404 is gone (the contract leaves open which one a terminated pod gives: both are accepted);
+  the price is the v2 Pod's ``cost`` (``costPerHr``/``adjustedCostPerHr`` where a v1-shaped
+  answer carries them instead; none of them: the price is unknown, never an error).
 - Errors are application/problem+json ``{title, status, detail}``; 429 carries Retry-After.
 """
 
@@ -17,6 +19,20 @@ from collections.abc import Mapping
 from ..config import TeardownAction
 from . import ProviderError
 from .api import ApiProvider, Client, Reading, Sent, gone_404, number
+
+#: Where a pod says its price (USD per hour), first found wins: the REST v2 Pod's ``cost``
+#: ("0.0 when EXITED or TERMINATED"), then REST v1/GraphQL's ``adjustedCostPerHr`` (after
+#: discounts) and ``costPerHr``. A pod with none of them has no known price.
+PRICE_FIELDS = ("cost", "adjustedCostPerHr", "costPerHr")
+
+
+def pod_price(pod: Mapping[str, object]) -> float | None:
+    """The pod's price from whichever field the answer carries, or None."""
+    for name in PRICE_FIELDS:
+        price = number(pod.get(name))
+        if price is not None:
+            return price
+    return None
 
 
 class RunPodProvider(ApiProvider):
@@ -59,7 +75,7 @@ class RunPodProvider(ApiProvider):
             raise ProviderError("rejected", f"{what}: unexpected answer {api.describe(reply)}")
         status = data.get("status")
         text = api.clean(f"status={status}")
-        price = number(data.get("costPerHr"))
+        price = pod_price(data)
         if status == "TERMINATED":
             return Reading("gone", text, price)
         if status == "EXITED":

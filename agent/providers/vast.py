@@ -83,16 +83,23 @@ class VastProvider(ApiProvider):
             row.get("cur_state"),
         )
         status = api.clean(f"actual_status={actual} intended_status={intended} cur_state={cur}")
-        price = number(row.get("dph_total"))
+        # dph_total: the instance's whole price per hour (vast-cli's "$/hr" column);
+        # disk_space: its allocated disk (GB); storage_cost: USD per GB-month, what a stopped
+        # instance keeps paying.
+        figures = {
+            "price_usd_per_hour": number(row.get("dph_total")),
+            "disk_gb": number(row.get("disk_space")),
+            "storage_usd_per_gb_month": number(row.get("storage_cost")),
+        }
         if actual in _STOPPED:
-            return Reading("stopped", status, price)
+            return Reading("stopped", status, **figures)
         if cur == "unloaded":  # the contract: "unloaded = released on destroy"
-            return Reading("gone", status, price)
+            return Reading("gone", status, **figures)
         # intended_status is only what was asked: it counts when cur_state agrees, and never
         # while the container still reads running.
         if actual != "running" and intended == "stopped" and cur == "stopped":
-            return Reading("stopped", status, price)
-        return Reading("up", status, price)
+            return Reading("stopped", status, **figures)
+        return Reading("up", status, **figures)
 
     async def _send(self, api: Client, action: TeardownAction, instance_id: str) -> Sent:
         if action == "destroy":

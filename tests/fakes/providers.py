@@ -29,6 +29,8 @@ of that fake, see each class, or ``"*"``); each returns the :class:`Fault`, whos
     ``hang(route, seconds, times=1, after=False)``  hold the request ``seconds`` before handling
         it (longer than the client's timeout: a timeout); ``after=True`` handles it first (the
         mutation IS applied) and then holds the answer;
+    ``down(status=503)`` / ``up()``  the whole API down (every route answers ``status``) for a
+        window the test controls, then healthy again;
     ``linger(reads)``  "accepted but still running": after a mutating call is accepted, the next
         ``reads`` reads of that instance still show it as before (``None``: forever).
 """
@@ -152,6 +154,15 @@ class FakeProvider:
     def clear_faults(self) -> None:
         with self.lock:
             self._faults.clear()
+
+    def down(self, status: int = 503, *, retry_after: str | float | None = None) -> Fault:
+        """The whole API down: every request answers ``status`` (the provider's own error body)
+        until :meth:`up`; the fault's ``hits`` counts the requests turned away."""
+        return self.fail("*", status, times=None, retry_after=retry_after)
+
+    def up(self) -> None:
+        """The API healthy again (every fault cleared)."""
+        self.clear_faults()
 
     def clear_requests(self) -> None:
         with self.lock:
@@ -312,8 +323,18 @@ class FakeVast(FakeProvider):
         self.stopped_status = stopped_status
 
     def add_instance(
-        self, instance_id: str, *, status: str = "running", dph_total: float = 3.4828
+        self,
+        instance_id: str,
+        *,
+        status: str = "running",
+        dph_total: float | None = 3.4828,
+        disk_space: float | None = 250.0,
+        storage_cost: float | None = 0.20,
     ) -> None:
+        """An instance row as ``show instance`` reads it: ``dph_total`` (USD per hour, all in),
+        ``disk_space`` (the allocated disk, GB) and ``storage_cost`` (USD per GB-month: what a
+        stopped instance still pays); None leaves a field out."""
+        optional = {"dph_total": dph_total, "disk_space": disk_space, "storage_cost": storage_cost}
         with self.lock:
             self._instances[instance_id] = {
                 "id": int(instance_id) if instance_id.isdigit() else instance_id,
@@ -325,9 +346,8 @@ class FakeVast(FakeProvider):
                 "status_msg": "success, running",
                 "start_date": time.time() - 3600,
                 "extra_env": [["CONTAINER_ID", instance_id]],
-                "dph_total": dph_total,
-                "disk_space": 250.0,
                 "label": None,
+                **{k: v for k, v in optional.items() if v is not None},
             }
 
     def routes(self) -> list[tuple[str, str, str, Handler]]:
@@ -446,6 +466,10 @@ class FakeRunPod(FakeProvider):
         "TERMINATED": [],
     }
 
+    #: The price fields a pod may carry: ``cost`` (REST v2: "Current cost in USD per hour (0.0
+    #: when EXITED or TERMINATED)"), ``costPerHr`` / ``adjustedCostPerHr`` (REST v1, GraphQL).
+    PRICE_FIELDS = ("cost", "costPerHr", "adjustedCostPerHr")
+
     def __init__(
         self, keys: Iterable[str], terminated: str = "404", cluster: Iterable[str] = ()
     ) -> None:
@@ -454,16 +478,28 @@ class FakeRunPod(FakeProvider):
         self.cluster = set(cluster)
 
     def add_instance(
-        self, instance_id: str, *, status: str = "RUNNING", cost_per_hr: float = 0.69
+        self,
+        instance_id: str,
+        *,
+        status: str = "RUNNING",
+        cost: float = 0.69,
+        price_fields: Iterable[str] = ("cost",),
     ) -> None:
+        """A pod; its price ``cost`` goes into each of ``price_fields`` (default the v2 Pod's
+        ``cost`` alone; ``()``: a pod without a price)."""
+        fields = tuple(price_fields)
+        unknown = set(fields) - set(self.PRICE_FIELDS)
+        if unknown:
+            raise ValueError(f"not a RunPod price field: {sorted(unknown)}")
         with self.lock:
             self._instances[instance_id] = {
                 "id": instance_id,
                 "name": f"pod-{instance_id}",
                 "status": status,
-                "costPerHr": cost_per_hr,
                 "gpuCount": 1,
                 "image": "runpod/pytorch:2.4.0",
+                "_price": cost,
+                "_price_fields": fields,
             }
 
     def routes(self) -> list[tuple[str, str, str, Handler]]:
@@ -503,8 +539,12 @@ class FakeRunPod(FakeProvider):
         inst = self._instances.get(iid)
         if inst is None:
             return None
-        pod = dict(inst)
+        pod = {k: v for k, v in inst.items() if not k.startswith("_")}
         pod["actions"] = list(self.ACTIONS.get(pod["status"], []))
+        billed = pod["status"] not in ("EXITED", "TERMINATED")
+        for name in inst["_price_fields"]:
+            # v2: "0.0 when EXITED or TERMINATED"; the v1 fields keep the pod's rate.
+            pod[name] = inst["_price"] if billed or name != "cost" else 0.0
         return pod
 
     def apply(self, instance_id: str, action: str) -> None:
