@@ -554,4 +554,29 @@ def _libreyolo_check(info: Mapping[str, Any]) -> Check:
             fix,
             error=err,
         )
+    if info.get("opencv_error"):
+        return _opencv_check(str(info["opencv_error"]), info)
     return make_check("libreyolo", PASS, str(info.get("version")), **dict(info))
+
+
+#: OpenCV's system libraries, as Debian and Ubuntu name their packages.
+OPENCV_APT = "apt-get install -y libgl1 libglib2.0-0"
+
+
+def _opencv_check(err: str, info: Mapping[str, Any]) -> Check:
+    """LibreYOLO imports, but the OpenCV its training imports does not: the trainer would fail
+    at its first batch, after staging, on a box that bills."""
+    if "No module named 'cv2'" in err:
+        fix = "pip install opencv-python-headless (LibreYOLO's training imports cv2)"
+    else:
+        fix = (
+            f"install OpenCV's system libraries ({OPENCV_APT}), or use the build that needs "
+            "none: pip uninstall -y opencv-python && pip install opencv-python-headless"
+        )
+    return make_check(
+        "libreyolo",
+        FAIL,
+        f"OpenCV (cv2, imported by LibreYOLO's training) cannot load: {first_line(err)}",
+        fix,
+        **dict(info),
+    )
