@@ -7,11 +7,14 @@
 #   ./install.sh --extras LIST   also these LibreYOLO extras (comma-separated)
 #   ./install.sh --dry-run       print the decisions and pip commands without running them
 #
-# torch: on a box with nvidia-smi the driver's CUDA version and the cards decide. The image's
-# torch is kept when it runs on that driver and has kernels for every card (no 2 GB download);
-# otherwise the newest PyTorch CUDA build the driver runs is installed, before libreyolo, so pip
-# never picks a torch by itself. Without nvidia-smi: the default build. The choice and its reason
-# are printed (agent/torchpick.py holds the tables). Running it again changes nothing.
+# torch: on a box with nvidia-smi the driver and the cards decide (one nvidia-smi call; torch is
+# read from its files, never imported). The image's torch is kept when it runs on that driver and
+# has kernels for every card (no 2 GB download): the venv gets a .pth naming the image's
+# site-packages (after its own) and is checked to import exactly that torch before going on.
+# Otherwise the newest PyTorch CUDA build the driver runs is installed, before libreyolo, so pip
+# never picks a torch by itself. Without nvidia-smi: PyTorch's CPU wheels where its CPU index
+# answers (5 s at most), else the default build. The choice and its reason are printed
+# (agent/torchpick.py holds the tables). Running it again changes nothing.
 #
 # Environment:
 #   VENV              where the environment goes               (default: .venv beside this script)
@@ -22,7 +25,7 @@
 #                     is made. libreyolo and the agent always come from the usual index.
 #                     Settings for every pip call go in pip's own variables (PIP_PROXY, ...).
 #   LIBREYOLO_EXTRAS  LibreYOLO extras to add, like --extras
-#   TORCH_INDEX_BASE  where PyTorch's per-CUDA wheel indexes live (a mirror)
+#   TORCH_INDEX_BASE  where PyTorch's per-CUDA and CPU wheel indexes live (a mirror)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -74,7 +77,11 @@ run() {
 torchpick() { PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m agent.torchpick "$@"; }
 
 # ---- which torch: decided before the venv exists (it decides how the venv is made)
-venv_flag=""
+image_pth="_libreyolo_image_torch.pth"  # agent/torchpick.py's IMAGE_PTH
+# venv_site: the venv's own site-packages (where pip installs, and the .pth goes).
+venv_site() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+pth_dirs=""
+kept=""
 if [ -n "${TORCH_SPEC:-}" ] || [ -n "${PIP_ARGS:-}" ]; then
   action="install"
   torch_spec="${TORCH_SPEC:-$default_torch_spec}"
@@ -83,16 +90,18 @@ if [ -n "${TORCH_SPEC:-}" ] || [ -n "${PIP_ARGS:-}" ]; then
 else
   no_keep=()
   if [ -x "$venv/bin/python" ] && [ -r "$venv/pyvenv.cfg" ] \
-      && [[ "$(<"$venv/pyvenv.cfg")" != *"include-system-site-packages = true"* ]]; then
-    no_keep=(--no-keep)  # this venv cannot see the image's torch
+      && [[ "$(<"$venv/pyvenv.cfg")" != *"include-system-site-packages = true"* ]] \
+      && ! compgen -G "$venv/lib/python*/site-packages/$image_pth" >/dev/null; then
+    no_keep=(--no-keep)  # this venv was made without the image's packages: it installs its own
   fi
   pick="$(torchpick torch --lines --python "$python" ${no_keep[@]+"${no_keep[@]}"})"
   mapfile -t decision <<<"$pick"
   action="${decision[0]}"
   torch_spec="${decision[1]}"
   torch_pip="${decision[2]}"
-  venv_flag="${decision[3]}"
-  reason="${decision[4]}"
+  pth_dirs="${decision[3]}"
+  kept="${decision[4]}"
+  reason="${decision[5]}"
 fi
 case "$action" in
   keep) step "torch: keeping the image's torch - $reason" ;;
@@ -116,12 +125,44 @@ fi
 
 # ---- the environment
 if [ ! -x "$venv/bin/python" ]; then
-  sees=""
-  [ -z "$venv_flag" ] || sees=" ($venv_flag: it sees the image's torch)"
-  step "creating the virtual environment in $venv$sees"
-  run "$python" -m venv ${venv_flag:+"$venv_flag"} "$venv"
+  step "creating the virtual environment in $venv"
+  run "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# sees_torch [--expect DIR]...: which torch the venv imports, from its files (no import).
+sees_torch() { torchpick sees --python "$venv/bin/python" "$@"; }
+expect=()
+if [ "$action" = keep ]; then
+  # `python -m venv` builds on the base interpreter: when the image's python3 is itself a venv
+  # (uv-made GPU images), --system-site-packages would show the base's packages, not the torch
+  # just read. A .pth in the venv's site-packages names the image's own site-packages instead;
+  # site appends its folders after the venv's, so whatever pip installs here wins over the image.
+  IFS=: read -r -a dirs <<<"$pth_dirs"
+  IFS=: read -r -a packages <<<"$kept"
+  for package in "${packages[@]}"; do expect+=(--expect "$package"); done
+  step "making the venv see the image's torch: $image_pth naming ${dirs[*]}"
+  if [ "$dry_run" = 1 ]; then
+    printf '+ write <venv site-packages>/%s: %s\n' "$image_pth" "${dirs[*]}"
+    printf '+ check the venv imports the torch in %s\n' "${packages[*]}"
+  else
+    pth="$(venv_site)/$image_pth"
+    want="$(printf '%s\n' "${dirs[@]}")"
+    if [ ! -f "$pth" ] || [ "$(<"$pth")" != "$want" ]; then
+      printf '%s\n' "$want" >"$pth"
+    fi
+    if ! seen="$(sees_torch "${expect[@]}")"; then
+      die "the new venv does not see the image's torch (${packages[*]}); nothing was installed.
+  Install a torch of your choosing instead: TORCH_SPEC=\"$default_torch_spec\" $0"
+    fi
+    echo "the venv sees $seen"
+  fi
+elif [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
+  pth="$(venv_site)/$image_pth"
+  if [ -f "$pth" ]; then
+    step "the image's torch is not kept: removing $pth (the venv installs its own packages)"
+    rm -f "$pth"
+  fi
+fi
 
 if [ "$action" != keep ]; then
   # TORCH_SPEC and PIP_ARGS each hold several words (read splits them, without globbing).
@@ -160,7 +201,15 @@ fi
 
 step "checking the install"
 run "$venv/bin/libreyolo-agent" --version
-run "$venv/bin/python" -c 'import libreyolo, torch; print("libreyolo", libreyolo.__version__, "/ torch", torch.__version__, "/ CUDA", torch.version.cuda or "none (CPU build)")'
+# From the packages' files, no torch import: the agent's preflight imports torch in its probe
+# anyway (overlapped with staging), a few seconds later.
+if [ "$dry_run" = 1 ]; then
+  printf '+ torchpick sees --python %q%s\n' "$venv/bin/python" "${expect[*]:+ ${expect[*]}}"
+elif ! seen="$(sees_torch ${expect[@]+"${expect[@]}"})"; then
+  die "the install is incomplete (above: what the venv lacks); run ./install.sh again"
+else
+  echo "$seen"
+fi
 echo
 if [ "$dry_run" = 1 ]; then
   echo "dry run: nothing was installed"

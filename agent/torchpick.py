@@ -1,31 +1,42 @@
 """What ``install.sh`` installs on this box, decided before the virtual environment exists.
 
-- ``python3 -m agent.torchpick torch``: the torch build. On a box with ``nvidia-smi``, read the
-  driver's CUDA version and the GPUs' compute capabilities; keep the image's torch when it runs
-  on that driver and has kernels for every card (GPU images ship one: no 2 GB download), else
-  pick the newest PyTorch CUDA build the driver runs that has kernels for the cards. Without
-  ``nvidia-smi``: the default CPU-machine build. Prints the decision and its reason.
+- ``python3 -m agent.torchpick torch``: the torch build. On a box with ``nvidia-smi`` (one call:
+  the driver's version and each GPU's compute capability; the newest CUDA the driver runs comes
+  from :data:`DRIVER_MAX_CUDA`), keep the image's torch when it runs on that driver and has
+  kernels for every card (GPU images ship one: no 2 GB download), else pick the newest PyTorch
+  CUDA build the driver runs that has kernels for the cards. Without ``nvidia-smi``: PyTorch's
+  CPU wheels where ``$TORCH_INDEX_BASE/cpu`` answers within :data:`CPU_INDEX_TIMEOUT_S`, else
+  the default build (the CUDA one, ~3 GB). Prints the decision and its reason.
+- ``python3 -m agent.torchpick sees --python VENV/bin/python [--expect DIR]``: which torch a
+  venv would import (exit 1 with the reason when none, or another one than ``--expect``).
 - ``python3 -m agent.torchpick extras JOB.toml``: LibreYOLO's extras the job needs.
 - ``python3 -m agent.torchpick uptodate REPORT``: exit 0 when a ``pip install --dry-run
   --report`` of the agent has nothing left to do (pip always lists an editable install).
 
-Standard library only and no torch import (the image's torch is asked in a child process), so it
-runs from the source tree with the box's ``python3`` before anything is installed.
+Standard library only and no torch import: the image's torch is read from its files
+(agent/torchmeta.py), so it runs from the source tree with the box's ``python3`` before anything
+is installed, in milliseconds rather than the seconds an ``import torch`` takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from agent import torchmeta
 
 #: The torch build for a machine without an NVIDIA GPU (install.sh's default ``TORCH_SPEC``).
 DEFAULT_TORCH_SPEC = "torch==2.14.1 torchvision==0.29.1"
@@ -35,12 +46,22 @@ DEFAULT_INDEX_BASE = "https://download.pytorch.org/whl"
 #: The oldest torch and torchvision LibreYOLO 1.6.0 accepts (its ``Requires-Dist``).
 MIN_TORCH = (2, 4)
 MIN_TORCHVISION = (0, 19)
-#: Seconds ``nvidia-smi`` and the image-torch probe may take.
+#: Seconds ``nvidia-smi`` may take.
 PROBE_TIMEOUT_S = 120.0
+#: Seconds PyTorch's CPU wheel index has to answer on a machine without ``nvidia-smi``.
+CPU_INDEX_TIMEOUT_S = 5.0
+#: What a CPU machine downloads for torch (PyTorch's CPU wheels / the default, CUDA build;
+#: measured: see the README's quick start).
+CPU_BUILD_COST = "about 0.2 GB"
+CUDA_BUILD_COST = "about 3 GB to download, a 6 GB venv"
+#: The name of the ``.pth`` file that makes a venv see the image's torch (install.sh writes it).
+IMAGE_PTH = "_libreyolo_image_torch.pth"
 
 #: Oldest Linux driver per CUDA version, newest first (NVIDIA's CUDA Toolkit release notes,
-#: "CUDA Toolkit and Corresponding Driver Versions"). Only used when ``nvidia-smi`` prints no
-#: ``CUDA Version:`` (its header has said it since driver 410).
+#: "CUDA Toolkit and Corresponding Driver Versions"). ``nvidia-smi --query-gpu`` has no CUDA
+#: field (only its header table prints ``CUDA Version:``, which would take a second call), so the
+#: newest CUDA a driver runs is read from here; a driver newer than the first row counts as that
+#: row's CUDA.
 DRIVER_MAX_CUDA: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = (
     ((580, 65), (13, 0)),
     ((575, 51), (12, 9)),
@@ -110,31 +131,6 @@ SWITCH_EXTRAS: tuple[tuple[str, str], ...] = (("lora", "lora"), ("export_check",
 
 Action = Literal["keep", "install", "default"]
 
-# Run by the probed interpreter: the image's torch, as JSON (never raises).
-_PROBE = """
-import json
-try:
-    import torch
-except Exception as exc:
-    print(json.dumps({"error": type(exc).__name__ + ": " + str(exc)}))
-    raise SystemExit(0)
-info = {"version": torch.__version__, "cuda": torch.version.cuda, "arch_list": []}
-if torch.version.cuda:
-    try:
-        info["arch_list"] = list(torch.cuda.get_arch_list())
-    except Exception:
-        pass
-    if not info["arch_list"]:  # [] when CUDA is not usable; the build's list is still there
-        flags = getattr(torch._C, "_cuda_getArchFlags", None)
-        info["arch_list"] = (flags() or "").split() if flags else []
-try:
-    import torchvision
-    info["torchvision"] = torchvision.__version__
-except Exception:
-    info["torchvision"] = None
-print(json.dumps(info))
-"""
-
 
 @dataclass(frozen=True)
 class Gpu:
@@ -157,15 +153,30 @@ class Smi:
 
 @dataclass(frozen=True)
 class ImageTorch:
-    """The torch the base interpreter already has."""
+    """The torch the base interpreter already has (read from its files, never imported)."""
 
     version: str | None = None
     #: torch's CUDA build (``"12.4"``), None for a CPU build.
     cuda: str | None = None
+    #: Its kernels (``sm_90``...) from libtorch_cuda.so; empty: unknown, inferred from
+    #: :data:`BUILDS` for its CUDA version.
     arch_list: tuple[str, ...] = ()
     torchvision: str | None = None
-    #: Why there is none (``ModuleNotFoundError: ...``).
+    #: Why there is none (``no torch``, the interpreter failed).
     error: str | None = None
+    #: Where torch and torchvision live (what a kept venv must import).
+    packages: tuple[str, ...] = ()
+    #: The folders a kept venv's ``.pth`` names (the image's site-packages).
+    paths: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class IndexProbe:
+    """Whether PyTorch's CPU wheel index answered with the wanted builds."""
+
+    ok: bool
+    #: What was asked and what came back (an error, the missing build).
+    why: str
 
 
 @dataclass(frozen=True)
@@ -177,8 +188,8 @@ class Decision:
     #: Extra pip arguments for the torch install only (the CUDA wheel index).
     pip_args: str
     reason: str
-    #: Build the venv with ``--system-site-packages`` (so it sees the image's torch).
-    system_site_packages: bool = False
+    #: Make the venv see the image's site-packages (a ``.pth`` naming :attr:`ImageTorch.paths`).
+    sees_image: bool = False
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -206,37 +217,42 @@ def driver_max_cuda(driver: str) -> tuple[int, int] | None:
     return None
 
 
-def parse_smi(header: str, query: str = "") -> Smi:
-    """``nvidia-smi``'s header (driver, CUDA) and ``--query-gpu=name,compute_cap`` CSV lines."""
-    driver = re.search(r"Driver Version:\s*([\d.]+)", header)
-    if driver is None:
-        first = next((line.strip() for line in header.splitlines() if line.strip()), "")
-        return Smi(error=first or "nvidia-smi printed nothing")
-    cuda_match = re.search(r"CUDA Version:\s*([\d.]+)", header)
-    cuda = version_tuple(cuda_match.group(1)) if cuda_match else driver_max_cuda(driver.group(1))
-    gpus = []
+#: The one ``nvidia-smi`` call: the driver and each card (drivers before ~510 refuse
+#: ``compute_cap``; they are asked again without it).
+SMI_QUERY = ("--query-gpu=driver_version,name,compute_cap", "--format=csv,noheader")
+
+
+def parse_smi(query: str) -> Smi:
+    """``nvidia-smi --query-gpu=driver_version,name[,compute_cap] --format=csv,noheader``."""
+    driver, gpus = None, []
     for line in query.splitlines():
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) < 2 or not cells[0] or "not a valid field" in line.lower():
+        if len(cells) < 2 or not re.fullmatch(r"\d+(\.\d+)+", cells[0]):
             continue
-        cap = re.fullmatch(r"(\d+)\.(\d+)", cells[1])
-        gpus.append(Gpu(cells[0], (int(cap.group(1)), int(cap.group(2))) if cap else None))
-    return Smi(driver=driver.group(1), cuda=cuda, gpus=tuple(gpus))
+        driver = driver or cells[0]
+        cap = re.fullmatch(r"(\d+)\.(\d+)", cells[-1]) if len(cells) >= 3 else None
+        name = ", ".join(cells[1:-1] if cap else cells[1:])
+        gpus.append(Gpu(name, (int(cap.group(1)), int(cap.group(2))) if cap else None))
+    if driver is None:
+        first = next((line.strip() for line in query.splitlines() if line.strip()), "")
+        return Smi(error=first or "nvidia-smi printed nothing")
+    return Smi(driver=driver, cuda=driver_max_cuda(driver), gpus=tuple(gpus))
 
 
-def parse_image_torch(text: str) -> ImageTorch:
-    """The probe's JSON line (see ``_PROBE``)."""
-    try:
-        data = json.loads(text.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return ImageTorch(error=f"the probe printed no answer: {text.strip()[:200]!r}")
-    if not isinstance(data, dict) or data.get("error") or not data.get("version"):
-        return ImageTorch(error=str(data.get("error") if isinstance(data, dict) else data))
+def image_torch(seen: torchmeta.Seen) -> ImageTorch:
+    """:class:`ImageTorch` from what the image's interpreter sees (agent/torchmeta.py)."""
+    if seen.error:
+        return ImageTorch(error=seen.error)
+    if seen.torch is None or not seen.torch.version:
+        return ImageTorch(error="no torch" if seen.torch is None else "torch without a version")
+    packages = [str(p.path) for p in (seen.torch, seen.torchvision) if p is not None]
     return ImageTorch(
-        version=str(data["version"]),
-        cuda=str(data["cuda"]) if data.get("cuda") else None,
-        arch_list=tuple(str(a) for a in data.get("arch_list") or ()),
-        torchvision=str(data["torchvision"]) if data.get("torchvision") else None,
+        version=seen.torch.version,
+        cuda=seen.cuda,
+        arch_list=seen.arch_list,
+        torchvision=seen.torchvision.version if seen.torchvision else None,
+        packages=tuple(packages),
+        paths=tuple(str(p) for p in seen.torch_dirs()),
     )
 
 
@@ -292,13 +308,49 @@ def keep_problem(smi: Smi, image: ImageTorch | None) -> str | None:
     built = version_tuple(image.cuda)
     if smi.cuda is not None and built is not None and built > smi.cuda:
         return f"{label} is built for CUDA {image.cuda}, the driver runs CUDA <= {_show(smi.cuda)}"
-    missing = [
-        g for g in smi.gpus if g.capability and not has_kernels(g.capability, image.arch_list)
-    ]
-    if missing:
-        archs = " ".join(image.arch_list) or "none"
-        return f"{label} has no kernels for {_gpu_names(missing)} (it has: {archs})"
+    if image.arch_list:
+        missing = [
+            g for g in smi.gpus if g.capability and not has_kernels(g.capability, image.arch_list)
+        ]
+        if missing:
+            archs = " ".join(image.arch_list)
+            return f"{label} has no kernels for {_gpu_names(missing)} (it has: {archs})"
+        return None
+    like = same_cuda_build(image.cuda)
+    if like is not None:
+        missing = [
+            g
+            for g in smi.gpus
+            if g.capability and not like.min_cap <= g.capability < like.below_cap
+        ]
+        if missing:
+            return (
+                f"{label} has no kernels for {_gpu_names(missing)} (inferred: its kernels could "
+                f"not be read, PyTorch's {like.tag} builds cover {_caps(like)})"
+            )
     return None
+
+
+def same_cuda_build(cuda: str | None) -> Build | None:
+    """PyTorch's build for this CUDA version (whose kernel range stands in for an image torch's
+    unreadable one), None when PyTorch has none in :data:`BUILDS`."""
+    wanted = version_tuple(cuda)
+    return next((b for b in BUILDS if b.cuda == wanted), None)
+
+
+def _caps(build: Build) -> str:
+    top = "" if build.below_cap >= (99, 0) else f" below {_show(build.below_cap)}"
+    return f"compute capability {_show(build.min_cap)}{top or ' and up'}"
+
+
+def kernels_source(image: ImageTorch) -> str:
+    """Where the kept torch's kernel list came from, for the decision's reason."""
+    if image.arch_list:
+        return "read from libtorch_cuda.so"
+    like = same_cuda_build(image.cuda)
+    if like is not None:
+        return f"inferred: PyTorch's {like.tag} builds cover {_caps(like)}"
+    return "unread and not inferable: assumed; the agent's preflight runs a kernel on each card"
 
 
 def pick_build(smi: Smi, builds: Sequence[Build] = BUILDS) -> Build | None:
@@ -319,13 +371,32 @@ def decide(
     default_spec: str = DEFAULT_TORCH_SPEC,
     index_base: str = DEFAULT_INDEX_BASE,
     allow_keep: bool = True,
+    cpu_index: IndexProbe | None = None,
 ) -> Decision:
-    """The torch to install. ``smi`` None: no ``nvidia-smi`` on this box.
+    """The torch to install. ``smi`` None: no ``nvidia-smi`` on this box; then ``cpu_index``
+    says whether PyTorch's CPU wheel index answered (None: not asked, the default build).
 
     ``allow_keep`` False: never keep the image's torch (the venv exists without its packages).
     """
     if smi is None:
-        return Decision("default", default_spec, "", "no nvidia-smi: a CPU machine")
+        cpu = f"{index_base.rstrip('/')}/cpu"
+        if cpu_index is not None and cpu_index.ok:
+            return Decision(
+                "install",
+                default_spec,
+                f"--index-url {cpu}",
+                f"no nvidia-smi: a CPU machine; PyTorch's CPU wheels from {cpu} "
+                f"({CPU_BUILD_COST} instead of the CUDA build's {CUDA_BUILD_COST})",
+            )
+        why = f"; PyTorch's CPU wheel index did not answer ({cpu_index.why})" if cpu_index else ""
+        return Decision(
+            "default",
+            default_spec,
+            "",
+            f"no nvidia-smi: a CPU machine{why}: the default build from the usual index, which "
+            f"is the CUDA build ({CUDA_BUILD_COST}; set TORCH_INDEX_BASE to a mirror of "
+            "PyTorch's wheel indexes for the CPU wheels)",
+        )
     details: dict[str, Any] = {
         "driver": smi.driver,
         "driver_cuda": _show(smi.cuda) if smi.cuda else None,
@@ -353,8 +424,8 @@ def decide(
             "",
             "",
             f"the image's torch {image.version} (CUDA {image.cuda}) runs on {driver} and has "
-            f"{cards}: no download",
-            system_site_packages=True,
+            f"{cards} ({kernels_source(image)}): no download",
+            sees_image=True,
             details=details,
         )
     build = pick_build(smi)
@@ -396,23 +467,47 @@ def _run(argv: Sequence[str]) -> tuple[int, str]:
 
 
 def read_smi() -> Smi | None:
-    """``nvidia-smi`` on this box; None when there is none."""
+    """``nvidia-smi`` on this box, one call (two on drivers that refuse ``compute_cap``); None
+    when there is none."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    code, header = _run([smi])
+    code, out = _run([smi, *SMI_QUERY])
+    if code != 0 and "compute_cap" in out:
+        code, out = _run([smi, "--query-gpu=driver_version,name", SMI_QUERY[1]])
     if code != 0:
-        return Smi(error=f"exit {code}: " + (header.strip().splitlines() or ["no output"])[0])
-    _, query = _run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"])
-    return parse_smi(header, query)
+        return Smi(error=f"exit {code}: " + (out.strip().splitlines() or ["no output"])[0])
+    return parse_smi(out)
 
 
 def read_image_torch(python: str) -> ImageTorch:
-    """The torch ``python`` imports (the image's), asked in a child process."""
-    code, out = _run([python, "-c", _PROBE])
-    if code != 0:
-        return ImageTorch(error=f"{python} exited {code}: {out.strip()[-200:]}")
-    return parse_image_torch(out)
+    """The torch ``python`` would import (the image's), read from its files."""
+    return image_torch(torchmeta.read_seen(python))
+
+
+def probe_cpu_index(
+    index_base: str, spec: str = DEFAULT_TORCH_SPEC, timeout: float = CPU_INDEX_TIMEOUT_S
+) -> IndexProbe:
+    """Whether ``index_base/cpu`` lists the ``+cpu`` builds of ``spec`` (its simple index pages
+    for torch and torchvision), within ``timeout`` seconds for both; never raises."""
+    deadline = time.monotonic() + timeout
+    base = f"{index_base.rstrip('/')}/cpu"
+    for name, _, version in (word.partition("==") for word in spec.split()):
+        url = f"{base}/{name}/"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return IndexProbe(False, f"{url}: no answer within {timeout:g} s")
+        request = urllib.request.Request(url, headers={"Accept": "text/html"})
+        try:
+            with urllib.request.urlopen(request, timeout=left) as response:
+                body = response.read(8 << 20).decode("utf-8", errors="replace").lower()
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timeouts...
+            reason = getattr(exc, "reason", None) or exc
+            return IndexProbe(False, f"{url}: {reason}")
+        wanted = [f"{name}-{version}+cpu", f"{name}-{version}%2bcpu"]
+        if not any(w.lower() in body for w in wanted):
+            return IndexProbe(False, f"{url} lists no {name} {version}+cpu")
+    return IndexProbe(True, f"{base} lists {spec} +cpu")
 
 
 # ------------------------------------------------------------------------------ extras
@@ -491,7 +586,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = sub.add_parser("torch", help="decide the torch build for this box")
     t.add_argument("--python", default=sys.executable, help="the interpreter whose torch to ask")
     t.add_argument("--no-keep", action="store_true", help="never keep the image's torch")
-    t.add_argument("--lines", action="store_true", help="action, spec, pip args, venv flag, reason")
+    t.add_argument(
+        "--lines",
+        action="store_true",
+        help="lines: action, spec, pip args, the .pth's folders and the kept packages (each "
+        "joined by ':'), reason",
+    )
+    t.add_argument(
+        "--no-index-probe", action="store_true", help="never ask PyTorch's CPU wheel index"
+    )
+    v = sub.add_parser("sees", help="which torch a venv's Python would import (no import)")
+    v.add_argument("--python", required=True)
+    v.add_argument("--expect", type=Path, action="append", default=[], help="the kept packages")
     e = sub.add_parser("extras", help="LibreYOLO extras a job needs (one line, comma-separated)")
     e.add_argument("job", nargs="?", type=Path, help="job file (TOML)")
     e.add_argument("--also", default="", help="more extras, comma-separated")
@@ -519,18 +625,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = json.loads(args.report.read_text(encoding="utf-8"))
         return 0 if nothing_pending(report, args.project, args.site) else 1
 
+    if args.command == "sees":
+        seen = torchmeta.read_seen(args.python)
+        problem = torchmeta.check_sees(seen, args.expect)
+        if problem is not None:
+            print(f"torchpick: {problem}", file=sys.stderr)
+            return 1
+        print(torchmeta.describe(seen))
+        return 0
+
+    index_base = os.environ.get("TORCH_INDEX_BASE") or DEFAULT_INDEX_BASE
     smi = read_smi()
     image = read_image_torch(args.python) if smi is not None and smi.error is None else None
+    cpu_index = None
+    if smi is None and not args.no_index_probe:
+        cpu_index = probe_cpu_index(index_base)
     decision = decide(
-        smi,
-        image,
-        index_base=os.environ.get("TORCH_INDEX_BASE") or DEFAULT_INDEX_BASE,
-        allow_keep=not args.no_keep,
+        smi, image, index_base=index_base, allow_keep=not args.no_keep, cpu_index=cpu_index
     )
     if args.lines:
-        venv_flag = "--system-site-packages" if decision.system_site_packages else ""
-        fields = (decision.action, decision.torch_spec, decision.pip_args, venv_flag)
-        print("\n".join([*fields, decision.reason]))
+        kept = image if decision.sees_image and image is not None else ImageTorch()
+        fields = (decision.action, decision.torch_spec, decision.pip_args)
+        folders = (os.pathsep.join(kept.paths), os.pathsep.join(kept.packages))
+        print("\n".join([*fields, *folders, decision.reason]))
     else:
         print(json.dumps(asdict(decision), indent=2))
     return 0
