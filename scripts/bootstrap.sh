@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The on-start entry of a rented GPU box: install, fetch the job, start the agent supervised.
-# Paste ONE line into Vast's on-start script, RunPod's start command or cloud-init:
+# Paste ONE line into Vast's on-start script, RunPod's start command or cloud-init, with
+# LIBREYOLO_AGENT_REPO set to this repository's git URL (your fork or the project's):
 #
-#   git clone <this repo> /opt/libreyolo-agent && /opt/libreyolo-agent/scripts/bootstrap.sh
+#   R=/opt/libreyolo-agent; [ -d "$R/.git" ] || { rm -rf "$R.part" && git clone "$LIBREYOLO_AGENT_REPO" "$R.part" && mv "$R.part" "$R"; } && "$R/scripts/bootstrap.sh"
 #
-# and give the job in the provider's environment variables (or with --job). Safe to run at every
-# boot: a second run changes nothing and never starts a second agent.
+# It is safe at every start (the on-start hooks of Vast and RunPod run at every boot): the clone
+# goes to $R.part and becomes $R only once complete, so an interrupted clone is started over and
+# an existing one is kept as it is (update it yourself: git -C /opt/libreyolo-agent pull, then run
+# this script again); a second run of this script changes nothing and never starts a second
+# agent; a supervisor that died is started again.
 #
 # Usage: bootstrap.sh [--job PATH | --job hf://[datasets/]org/repo[@rev]/path/job.toml]
 #                     [--no-install] [-h|--help]
@@ -16,14 +20,20 @@
 #   LIBREYOLO_AGENT_JOB_TOML the job's TOML text itself (providers set variables, not files)
 #   LIBREYOLO_AGENT_JOB      a file path or an hf:// URL, as --job
 #   the job written by an earlier run ($LIBREYOLO_AGENT_CONFIG_DIR/job.toml)
-# It is written to $LIBREYOLO_AGENT_CONFIG_DIR/job.toml, mode 0600.
+# It is written to $LIBREYOLO_AGENT_CONFIG_DIR/job.toml, mode 0600. A job that fails
+# `libreyolo-agent check` is reported loudly and the agent is started all the same: it takes the
+# gated failure decision of the job's [teardown] (a box is never left billing with nothing
+# running); this script then exits 3.
 #
 # Environment:
+#   LIBREYOLO_AGENT_REPO      the git URL the start line above clones (not read by this script)
 #   HF_TOKEN, CONTAINER_API_KEY, VAST_API_KEY, RUNPOD_API_KEY, LAMBDA_API_KEY
 #                             secrets, read from the environment only and never printed; on
 #                             systemd they go to $LIBREYOLO_AGENT_CONFIG_DIR/env (mode 0600)
+#   CONTAINER_ID, RUNPOD_POD_ID  the instance ids Vast and RunPod set (passed on to the agent)
 #   HF_HOME                   the Hub cache; default: on the persistent volume when one is
 #                             mounted (LIBREYOLO_AGENT_VOLUME, else /workspace, /runpod-volume)
+#   LIBREYOLO_AGENT_VOLUME    a persistent volume's mount point, tried first for HF_HOME
 #   HF_ENDPOINT               the Hub's URL (a mirror)
 #   VENV                      the virtual environment (default: .venv in this repo)
 #   LIBREYOLO_AGENT_CONFIG_DIR  default /etc/libreyolo-agent
@@ -31,6 +41,10 @@
 #   LIBREYOLO_AGENT_INIT      auto (systemd when PID 1 is systemd), systemd or container
 #   LIBREYOLO_AGENT_SYSTEMD_DIR where the unit goes (default /etc/systemd/system)
 # install.sh's variables (TORCH_SPEC, PIP_ARGS, LIBREYOLO_EXTRAS, ...) pass through.
+#
+# Exit: 0 the agent runs (started now or already running); 1 a failure (install, fetch, lock);
+# 2 a usage mistake or no job at all (nothing started); 3 the job is not valid and the agent
+# was started to take the failure decision.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -196,8 +210,30 @@ chmod 600 "$job_dest"
 say "job: $job_dest (from $source_desc)"
 
 # ---- install, with the LibreYOLO extras the job needs; then the job is checked
-run_install --job "$job_dest"
-"$venv/bin/libreyolo-agent" check "$job_dest" || die "the job file is not valid (see above)" 2
+install_rc=0
+run_install --job "$job_dest" || install_rc=$?
+if [ "$install_rc" = 2 ] && [ "$install" = 1 ]; then
+  # install.sh could not read the job's extras (a broken TOML): install without them; the check
+  # below names the mistake and the agent takes the failure decision.
+  say "install.sh could not read the job's extras: installing without them"
+  run_install
+elif [ "$install_rc" != 0 ]; then
+  exit "$install_rc"
+fi
+job_ok=1
+if ! "$venv/bin/libreyolo-agent" check "$job_dest"; then
+  job_ok=0
+  cat >&2 <<EOF
+bootstrap: ====================================================================================
+bootstrap: THE JOB FILE IS NOT VALID: $job_dest (from $source_desc); its errors are above.
+bootstrap: The agent is started all the same: it cannot train this job, so it takes the job's
+bootstrap: gated failure decision ([teardown] on_preflight_failure; where [teardown] itself cannot
+bootstrap: be read it keeps the box and says so), visible in its log, /status and notifications.
+bootstrap: Fix the job (check it on your laptop first: libreyolo-agent check JOB), then start
+bootstrap: again. This script exits 3 once the agent is started.
+bootstrap: ====================================================================================
+EOF
+fi
 
 # ---- start the agent, supervised
 if [ "$init" = systemd ]; then
@@ -256,13 +292,21 @@ else
   fi
 fi
 
+state_opt=""
+if [ "$state_dir" != "$unit_state" ]; then
+  state_opt=" --state-dir $(printf '%q' "$state_dir")"
+fi
 cat <<EOF
 
 Reach it from your own machine through an SSH tunnel (use the box's SSH host and port):
   ssh -p <port> root@<host> -N -L 8421:127.0.0.1:8421 -L 8420:127.0.0.1:8420
   curl http://127.0.0.1:8421/status          (or open http://127.0.0.1:8421/ for the dashboard;
                                                8421 unless the job's server.listen says otherwise)
-  on the box: $venv/bin/libreyolo-agent status --watch
+  on the box: $venv/bin/libreyolo-agent status --watch$state_opt
   the training dashboard: on the box, $venv/bin/libreyolo monitor <run dir> --no-browser, then open
   http://127.0.0.1:8420 here
 EOF
+if [ "$job_ok" = 0 ]; then
+  printf 'bootstrap: %s\n' "the job file is not valid (see above): the agent was started to take the failure decision" >&2
+  exit 3
+fi

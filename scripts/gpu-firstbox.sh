@@ -107,9 +107,10 @@ export PIP_NO_INDEX=1 PIP_FIND_LINKS="$B/wheels" HF_ENDPOINT HF_TOKEN VAST_API_K
 export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost HF_HUB_DISABLE_TELEMETRY=1
 
 if [ "$only" = all ] || [ "$only" = boot ]; then
-  # The start line as the README writes it, <this repo> replaced by REPO_URL.
-  line="$(grep -m1 -E '^(\[ -d|git clone).*scripts/bootstrap\.sh' "$here/README.md")"
+  # The start line as the README writes it, LIBREYOLO_AGENT_REPO (or <this repo>) = REPO_URL.
+  line="$(grep -m1 -E '^(R=|\[ -d|git clone).*scripts/bootstrap\.sh' "$here/README.md")"
   line="${line//<this repo>/$REPO_URL}"
+  export LIBREYOLO_AGENT_REPO="$REPO_URL"
   say "== boot: the README's start line: $line"
   export CONTAINER_ID=1501
   LIBREYOLO_AGENT_JOB_TOML="$(job_toml firstbox 6 'max_runtime = "30m"' /root/runs)"

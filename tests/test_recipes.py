@@ -4,6 +4,8 @@ and the two serverless examples run their embedded CPU job to completion."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -139,3 +142,169 @@ def test_serverless_example_runs_the_demo_job(example: str, tmp_path: Path) -> N
     job = (work / "job.toml").read_text()
     assert 'provider = "none"' in job and "max_runtime = 1500" in job
     assert (work / "synced" / "weights" / "last.pt").is_file()
+
+
+# ---- secrets never copied to disk with the environment (issue 24, item 6)
+
+#: A write of the whole environment to a file: `env`, `printenv`, `export -p`, `declare -p/-x`
+#: or `set` whose output is redirected or tee'd, or anything written into /etc/environment.
+ENV_DUMP = re.compile(
+    r"(?:^|[;&|(`$]\s*)(?:env|printenv|export\s+-p|declare\s+-[px]+|set)\b(?!\s+[-+][a-z])"
+    r"[^;&\n]*?(?:>|\btee\b)"
+    r"|(?:>>?|\btee\b(?:\s+-a)?)\s*[\"']?/etc/(?:environment|profile)"
+)
+DOC_FILES = sorted(
+    {
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(p for p in (ROOT / "examples").rglob("*") if p.is_file()),
+        *(ROOT / "scripts").glob("*.sh"),
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "env | grep _ >> /etc/environment",
+        "env >> /etc/environment",
+        "printenv > /root/box.env",
+        "export -p > /tmp/env.sh",
+        "declare -px > /root/vars",
+        "(set -o posix; set) > /tmp/all",
+        "env | tee /root/env.txt",
+        "echo HF_TOKEN=$HF_TOKEN >> /etc/environment",
+        "  cmd; env|grep TOKEN>/x",
+    ],
+)
+def test_the_env_dump_pattern_catches_a_dump(line: str) -> None:
+    assert ENV_DUMP.search(line), line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "set -a; . /etc/libreyolo-agent/agent.env; . /etc/libreyolo-agent/secrets.env; set +a",
+        "printf 'HF_TOKEN=%s\\n' \"$HF_TOKEN\" | ssh ubuntu@IP 'sudo install -D -m 600 "
+        "/dev/stdin /etc/libreyolo-agent/secrets.env'",
+        "attr libreyolo-agent-job > /etc/libreyolo-agent/job.toml",
+        "set -euo pipefail",
+    ],
+)
+def test_the_env_dump_pattern_leaves_the_recipes_own_lines(line: str) -> None:
+    assert not ENV_DUMP.search(line), line
+
+
+def test_no_doc_recipe_or_example_writes_the_environment_to_a_file() -> None:
+    assert ROOT / "docs" / "recipes.md" in DOC_FILES
+    found = []
+    for path in DOC_FILES:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if ENV_DUMP.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+# ---- the serverless images (issue 24, item 8)
+
+
+class _Sdk:
+    """A stand-in platform SDK (``modal`` or ``beam``) that records what an example builds:
+    every call on it, by its dotted name; decorators hand the function back unchanged."""
+
+    def __init__(self, log: list[tuple[str, tuple[object, ...], dict[str, object]]], name: str):
+        self._log, self._name = log, name
+
+    def __getattr__(self, attr: str) -> _Sdk:
+        return _Sdk(self._log, f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if len(args) == 1 and not kwargs and inspect.isfunction(args[0]):
+            return args[0]  # used as a decorator
+        self._log.append((self._name, args, kwargs))
+        return _Sdk(self._log, f"{self._name}()")
+
+
+def _load_with_sdk(
+    example: str, sdk: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, list[tuple[str, tuple[object, ...], dict[str, object]]]]:
+    log: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
+    monkeypatch.setitem(sys.modules, sdk, _Sdk(log, sdk))
+    spec = importlib.util.spec_from_file_location(f"_example_{sdk}", SERVERLESS / example)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, log
+
+
+OPENCV_LIBS = {"libgl1", "libglib2.0-0"}
+
+
+def test_modal_image_installs_opencvs_libraries_and_hf_home_is_on_the_volume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module, log = _load_with_sdk("modal_train.py", "modal", monkeypatch)
+    apt = [args for name, args, _ in log if name.endswith(".apt_install")]
+    assert apt and set(apt[0]) >= OPENCV_LIBS, log
+    _check_hub_cache(module, monkeypatch)
+
+
+def test_beam_image_installs_opencvs_libraries_and_hf_home_is_on_the_volume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module, log = _load_with_sdk("beam_train.py", "beam", monkeypatch)
+    (image,) = [kw for name, _, kw in log if name == "beam.Image"]
+    commands = " ".join(str(c) for c in image.get("commands", []))  # type: ignore[attr-defined]
+    assert "apt-get install -y" in commands
+    assert set(commands.split()) >= OPENCV_LIBS, commands
+    _check_hub_cache(module, monkeypatch)
+
+
+def _check_hub_cache(module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    volume = Path(module.VOLUME_PATH).resolve()
+    monkeypatch.setenv("HF_HOME", "x")
+    monkeypatch.delenv("HF_HOME")
+    home = module.use_volume_for_hub_cache()
+    assert home == Path(os.environ["HF_HOME"]) and home.is_relative_to(volume)
+    # The platform's function sets it before the agent runs.
+    assert "use_volume_for_hub_cache()" in inspect.getsource(module.train)
+    monkeypatch.setenv("HF_HOME", "/elsewhere")  # one the user set wins
+    assert module.use_volume_for_hub_cache() == Path("/elsewhere")
+
+
+# ---- `check` on a laptop: no torch needed (README, "First box")
+
+BLOCK_TRAINING_STACK = """
+import importlib.abc, sys
+BLOCKED = {"torch", "torchvision", "libreyolo", "cv2", "numpy"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, Block())
+from agent.cli import main
+codes = [main(["check", job]) for job in sys.argv[1:]]
+assert not BLOCKED & {m.split(".")[0] for m in sys.modules}, "imported the training stack"
+sys.exit(max(codes))
+"""
+
+
+def test_check_works_without_torch_or_libreyolo(tmp_path: Path) -> None:
+    env = dict(os.environ, LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"))
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK_TRAINING_STACK, *map(str, JOBS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for job in JOBS:
+        assert f"{job}: ok" in out.stdout
+    assert "not checked against LibreYOLO" in out.stdout  # it says what it could not check

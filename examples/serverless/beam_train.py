@@ -76,6 +76,23 @@ AGENT_REQUIREMENTS = [
 ]
 
 
+#: Debian packages the image needs: OpenCV (imported by LibreYOLO) loads libGL and GLib, which
+#: slim images lack (the agent's preflight names them when they are missing).
+SYSTEM_PACKAGES = ["libgl1", "libglib2.0-0"]
+
+
+def hub_cache_dir() -> Path:
+    """``HF_HOME`` on the Volume: the dataset and weights downloaded from the Hub survive a
+    retry or a preemption restart, which is a new container."""
+    return Path(VOLUME_PATH).resolve() / "huggingface"
+
+
+def use_volume_for_hub_cache() -> Path:
+    """Point ``HF_HOME`` at :func:`hub_cache_dir` (an ``HF_HOME`` already set wins)."""
+    os.environ.setdefault("HF_HOME", str(hub_cache_dir()))
+    return Path(os.environ["HF_HOME"])
+
+
 def max_runtime_s(
     timeout_s: float = PLATFORM_TIMEOUT_S, margin_s: float = FINAL_SYNC_MARGIN_S
 ) -> int:
@@ -223,6 +240,7 @@ if beam is not None:
         python_version="python3.11",
         # torch first, in the build that fits the GPU (see install.sh), then the agent's needs.
         python_packages=["torch==2.14.1", "torchvision==0.29.1", *AGENT_REQUIREMENTS],
+        commands=[f"apt-get update && apt-get install -y {' '.join(SYSTEM_PACKAGES)}"],
     )
 
     @beam.task_queue(
@@ -239,6 +257,7 @@ if beam is not None:
     def train() -> str:
         # State on the container's own disk: a retry is a new box that resumes from the sink.
         work = Path("/tmp/libreyolo-agent")
+        use_volume_for_hub_cache()
         code, state = run_job(
             job_toml(work, demo=False, sync_target=SYNC_TARGET, runtime_s=max_runtime_s()), work
         )

@@ -61,6 +61,23 @@ VOLUME_NAME = "libreyolo-checkpoints"
 VOLUME_PATH = "/checkpoints"
 
 
+#: Debian packages the image needs: OpenCV (imported by LibreYOLO) loads libGL and GLib, which
+#: slim images lack (the agent's preflight names them when they are missing).
+SYSTEM_PACKAGES = ["libgl1", "libglib2.0-0"]
+
+
+def hub_cache_dir() -> Path:
+    """``HF_HOME`` on the Volume: the dataset and weights downloaded from the Hub survive a
+    retry or a preemption restart, which is a new container."""
+    return Path(VOLUME_PATH).resolve() / "huggingface"
+
+
+def use_volume_for_hub_cache() -> Path:
+    """Point ``HF_HOME`` at :func:`hub_cache_dir` (an ``HF_HOME`` already set wins)."""
+    os.environ.setdefault("HF_HOME", str(hub_cache_dir()))
+    return Path(os.environ["HF_HOME"])
+
+
 def max_runtime_s(
     timeout_s: float = PLATFORM_TIMEOUT_S, margin_s: float = FINAL_SYNC_MARGIN_S
 ) -> int:
@@ -205,6 +222,7 @@ if modal is not None:
     app = modal.App("libreyolo-agent-train")
     image = (
         modal.Image.debian_slim(python_version="3.11")
+        .apt_install(*SYSTEM_PACKAGES)
         # torch first, in the build that fits the GPU (see install.sh), then the agent.
         .pip_install("torch==2.14.1", "torchvision==0.29.1")
         .add_local_dir(
@@ -227,6 +245,7 @@ if modal is not None:
     def train() -> str:
         # State on the container's own disk: a retry is a new box that resumes from the sink.
         work = Path("/root/libreyolo-agent")
+        use_volume_for_hub_cache()
         code, state = run_job(
             job_toml(work, demo=False, sync_target=SYNC_TARGET, runtime_s=max_runtime_s()), work
         )
