@@ -1,9 +1,44 @@
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests import leftovers
 
 # Test traffic goes to 127.0.0.1 only; the Hub client is httpx, which honours proxies.
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 os.environ.setdefault("no_proxy", "127.0.0.1,localhost")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_XET"] = "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A leftover is killed and reported as a warning; the project's "error" filter would turn
+    # the report into a teardown error of a test that may well have passed (appended: it wins).
+    config.addinivalue_line("filterwarnings", "default::tests.leftovers.LeftoverProcessWarning")
+
+
+@pytest.fixture(autouse=True)
+def _ends_its_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every process a test started ends with it, pass or fail (tests/leftovers.py): the test's
+    processes inherit a tag in their environment (so those in sessions of their own, which leave
+    the pytest process's tree once their parent dies, are found too); after the test, whatever
+    still runs with the tag, or descends from pytest and was born during the test, is killed
+    and listed in a warning."""
+    tag = uuid.uuid4().hex
+    before = os.environ.get(leftovers.TAG_ENV)
+    started = leftovers.now_ticks()
+    os.environ[leftovers.TAG_ENV] = tag
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(leftovers.TAG_ENV, None)
+        else:
+            os.environ[leftovers.TAG_ENV] = before
+        killed = leftovers.end_leftovers(tag, started)
+        if killed:
+            leftovers.report(request.node.nodeid, killed)
