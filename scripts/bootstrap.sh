@@ -22,11 +22,13 @@
 #   the job written by an earlier run ($LIBREYOLO_AGENT_CONFIG_DIR/job.toml)
 # It is written to $LIBREYOLO_AGENT_CONFIG_DIR/job.toml, mode 0600. A job that fails
 # `libreyolo-agent check` is reported loudly and the agent is started all the same: it takes the
-# gated failure decision of the job's [teardown] (a box is never left billing with nothing
-# running); this script then exits 3.
+# gated failure decision of the job's [teardown] instead of leaving the box billing with nothing
+# running (where [teardown] itself cannot be read, it keeps the box and says so); this script
+# then exits 3.
 #
 # Environment:
-#   LIBREYOLO_AGENT_REPO      the git URL the start line above clones (not read by this script)
+#   LIBREYOLO_AGENT_REPO      the git URL the start line above clones (set it in the provider's
+#                             environment variables; this script itself does not read it)
 #   HF_TOKEN, CONTAINER_API_KEY, VAST_API_KEY, RUNPOD_API_KEY, LAMBDA_API_KEY
 #                             secrets, read from the environment only and never printed; on
 #                             systemd they go to $LIBREYOLO_AGENT_CONFIG_DIR/env (mode 0600)
