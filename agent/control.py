@@ -25,7 +25,7 @@ from .progress import ProgressTracker
 from .rundir import RunStatus, read_metrics
 from .server import StatusServer
 from .signals import Flags
-from .state import Phase, RunState, StateStore, transition
+from .state import Phase, Reason, RunState, StateStore, transition
 from .status import StatusInputs, status_document
 from .sync import SyncEngine
 from .text import os_error
@@ -66,6 +66,7 @@ class ControlMixin:
     preflight_report: dict[str, Any] | None
     staging_report: dict[str, Any] | None
     state_write_error: str | None
+    breach_message: str | None
     _released: asyncio.Event
     warnings: list[str]
 
@@ -79,6 +80,9 @@ class ControlMixin:
         raise NotImplementedError
 
     def _sizing_status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _teardown_action(self, reason: Reason, *, can_stop: bool = True) -> tuple[str, str]:
         raise NotImplementedError
 
     async def _held(self) -> bool:
@@ -115,7 +119,11 @@ class ControlMixin:
     async def _request_extend(self, body: str) -> dict[str, Any]:
         seconds = steering.parse_request_duration(body)
         answer = steering.extend(
-            self.state, seconds, now=self.clock(), max_runtime_s=self.job.limits.max_runtime_s
+            self.state,
+            seconds,
+            now=self.clock(),
+            max_runtime_s=self.job.limits.max_runtime_s,
+            stopping=self._stopping(),
         )
         self._save()
         self.events.publish("steering", action="extend", seconds=seconds)
@@ -180,14 +188,83 @@ class ControlMixin:
             ) from exc
         self.state.server = {"host": cfg.host, "port": port}
 
+    def _stopping(self) -> str | None:
+        """Why the run is already on its way to a stop (a stop request, a limit, a notice);
+        None while it is not."""
+        flags = self.flags
+        if flags is not None and flags.stop_job.is_set():
+            return "a stop was requested"
+        if flags is not None and flags.preempt.is_set():
+            return "a preemption notice"
+        if self.breach_message:
+            return self.breach_message
+        if flags is not None and flags.shutdown.is_set():
+            return "the agent is exiting"
+        return None
+
     async def _request_stop(self) -> dict[str, Any]:
+        """``POST /stop``: before or during training, the run stops (the trainer gets SIGINT,
+        the final sync runs, then the teardown); in HELD, the hold is released and the teardown
+        goes ahead now. Refused (409, with the reason) where it cannot act: a stop already under
+        way, the run already ending (FINISHING, TEARDOWN) or ended."""
         assert self.flags is not None
+        state, now = self.state, self.clock()
+        phase = state.phase
+        if phase is Phase.HELD:
+            answer = steering.stop_held(state, now=now, teardown=self._teardown_preview())
+            self._save()
+            self.events.publish("steering", action="stop")
+            self._released.set()
+            return answer
+        held = ""
+        if steering.hold_active(state, now) and state.hold is not None:
+            held = (
+                f"; the box is then HELD until {steering.utc_iso(float(state.hold['until']))} "
+                "as asked (`release` lets the teardown go ahead)"
+            )
+        if phase.terminal:
+            raise steering.SteeringError(
+                f"nothing to stop: the run has ended ({phase.value})", status=steering.CONFLICT
+            )
+        if phase is Phase.TEARDOWN:
+            raise steering.SteeringError(
+                "nothing to stop: the run has ended and its teardown is under way",
+                status=steering.CONFLICT,
+            )
+        if phase is Phase.FINISHING:
+            raise steering.SteeringError(
+                "nothing to stop: training is over and the final sync runs, then the teardown"
+                + (held or " follows on its own"),
+                status=steering.CONFLICT,
+            )
+        already = self._stopping()
+        if already is not None:
+            raise steering.SteeringError(
+                f"a stop is already under way ({already}): the final sync, then the teardown"
+                + held,
+                status=steering.CONFLICT,
+            )
         self.flags.stop_job.set()
-        return {
-            "ok": True,
-            "phase": self.state.phase.value,
-            "message": "stop requested: the trainer gets SIGINT, then the final sync runs",
-        }
+        state.steering.append({"at": now, "action": "stop", "phase": phase.value})
+        self._save()
+        self.events.publish("steering", action="stop")
+        if phase is Phase.TRAINING:
+            message = "stop requested: the trainer gets SIGINT, then the final sync runs"
+        else:
+            message = (
+                f"stop requested in {phase.value}: the run ends before training starts "
+                "(nothing is trained), then the teardown"
+            )
+        return {"ok": True, "action": "stop", "phase": phase.value, "message": message + held}
+
+    def _teardown_preview(self) -> str:
+        """What the teardown will do for the run's reason, in a few words (``destroy:
+        teardown.on_success = destroy``), for the answer of a stop in HELD."""
+        reason = self.state.reason
+        if reason is None:
+            return "as the job's [teardown] says"
+        action, why = self._teardown_action(reason, can_stop=self.job.teardown.can_stop)
+        return f"{action}: {why}"
 
     # ------------------------------------------------------------------ status
 

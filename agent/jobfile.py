@@ -45,6 +45,7 @@ from .config import (
     as_action,
 )
 from .jobvalues import (
+    MAX_STEERING_S,
     ConfigError,
     ErrorList,
     Table,
@@ -521,7 +522,7 @@ def _load_teardown(t: Table) -> TeardownSection:
         command=command if name == "command" else (),
         stop_command=stop_command if name == "command" else (),
         command_timeout_s=timeout_s,
-        hold_timeout_s=t.duration("hold_timeout", d.hold_timeout_s),
+        hold_timeout_s=t.duration("hold_timeout", d.hold_timeout_s, maximum=MAX_STEERING_S),
     )
     t.finish()
     if not teardown.can_stop:
@@ -640,14 +641,19 @@ def _load_train(
 
 def check_train_options(train: TrainSection, options: TrainOptions) -> None:
     """Refuse every ``[train]`` key that the installed LibreYOLO's ``train`` command does not
-    have, naming the closest valid ones (one :class:`ConfigError`, or :class:`ConfigErrors` for
-    several); nothing to check (no error) when ``options`` are unknown, e.g. an agent-only
-    install. The agent's own ``stop_grace``/``kill_grace`` never get here."""
+    have, naming the closest valid ones, and every value of a type (or out of the bounds) its
+    option does not take (``batch = "big"``: the command would exit 2 after the box was paid
+    for preflight and staging); one :class:`ConfigError`, or :class:`ConfigErrors` for several.
+    Nothing to check (no error) when ``options`` are unknown, e.g. an agent-only install. The
+    agent's own ``stop_grace``/``kill_grace`` never get here."""
     if not options.available:
         return
     errors = ErrorList()
     for k, v in train.args:
         if k in options.names:
+            problem = options.value_problem(k, v)
+            if problem is not None:
+                errors.add(ConfigError(f"train.{k}", problem))
             continue
         close = options.close_matches(k)
         hint = (

@@ -267,15 +267,30 @@ class Table:
         return v
 
     @overload
-    def duration(self, k: str, default: float, *, allow_zero: bool = False) -> float: ...
+    def duration(
+        self, k: str, default: float, *, allow_zero: bool = False, maximum: float = ...
+    ) -> float: ...
     @overload
-    def duration(self, k: str, default: None, *, allow_zero: bool = False) -> float | None: ...
-    def duration(self, k: str, default: float | None, *, allow_zero: bool = False) -> float | None:
+    def duration(
+        self, k: str, default: None, *, allow_zero: bool = False, maximum: float = ...
+    ) -> float | None: ...
+    def duration(
+        self,
+        k: str,
+        default: float | None,
+        *,
+        allow_zero: bool = False,
+        maximum: float = 0.0,
+    ) -> float | None:
+        """A duration (:func:`parse_duration`), at most ``maximum`` seconds (default, or 0:
+        :data:`MAX_DURATION_S`)."""
         v = self._get(k, False)
         if v is None:
             return default
         try:
-            return parse_duration(self.key(k), v, allow_zero=allow_zero)
+            return parse_duration(
+                self.key(k), v, allow_zero=allow_zero, maximum=maximum or MAX_DURATION_S
+            )
         except ConfigError as exc:
             self.errors.add(exc)
             return default
@@ -330,10 +345,23 @@ class Table:
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(d|h|m|s)")
 _DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 
+#: The one bound on every duration the agent reads: the job file's, the guard's environment
+#: variables' and a control request's (``extend``, ``hold``). A year is longer than any run or
+#: timeout; ``"99999999999999999999d"`` is a typo, and a deadline no clock can show (it once made
+#: ``/hold`` and ``/extend`` fail after saving, and the guard fail at every beat).
+MAX_DURATION_S = 365 * 86400.0
+#: The most steering may keep a box up or push its deadline, seconds (30 days): one ``hold``
+#: (counted from the request; the job's ``teardown.hold_timeout`` too) and all the ``extend``
+#: requests of a run together. A box nobody looks at must not bill for months.
+MAX_STEERING_S = 30 * 86400.0
 
-def parse_duration(key: str, value: object, *, allow_zero: bool = False) -> float:
+
+def parse_duration(
+    key: str, value: object, *, allow_zero: bool = False, maximum: float = MAX_DURATION_S
+) -> float:
     """Parse ``"12h"``, ``"20m"``, ``"1h30m"``, ``"45s"``, ``"2d"`` or a number of seconds
-    (``"0s"`` only with ``allow_zero``)."""
+    (``"0s"`` only with ``allow_zero``), at most ``maximum`` seconds (365 days unless a key has
+    a tighter bound): the one rule every duration of the agent goes through."""
     expected = 'a duration like "90s", "20m", "12h", "1h30m", "2d" or a number of seconds'
     if isinstance(value, bool):
         raise ConfigError(key, f"{value!r} is not {expected}")
@@ -358,6 +386,18 @@ def parse_duration(key: str, value: object, *, allow_zero: bool = False) -> floa
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         what = "zero or a positive" if allow_zero else "a positive"
         raise ConfigError(key, f"{value!r} must be {what} duration ({expected})")
+    if seconds > maximum:
+        # The conversion is shown while it is readable (a typo like "2000h" is then obvious).
+        said = (
+            f"{show(value)} is {format_duration(seconds)},"
+            if seconds < 1e12
+            else f"{show(value)} is"
+        )
+        raise ConfigError(
+            key,
+            f"{said} more than {format_duration(maximum)}, the longest this duration may be; "
+            "give a shorter one",
+        )
     return seconds
 
 

@@ -8,10 +8,18 @@ whose message says why and what to do instead, and changes nothing.
 
 - ``extend`` adds to ``state.extended_s``: the ``max_runtime`` deadline is
   ``started_at + max_runtime_s + extended_s`` (:func:`deadline_at`). Only while the run can still
-  reach that deadline (up to TRAINING); a job without ``max_runtime`` has nothing to extend.
+  reach that deadline (up to TRAINING, and not once a stop is under way); a job without
+  ``max_runtime`` has nothing to extend. All the extensions of a run add up to at most
+  :data:`~agent.jobvalues.MAX_STEERING_S` (30 days).
 - ``hold`` keeps the box up after the run: instead of tearing down, the daemon parks the run in
   phase HELD while :func:`hold_active` says so. The hold ends at ``release`` or at its own
-  timeout (``until``, counted from the ``hold`` request; a second ``hold`` renews it).
+  timeout (``until``, counted from the ``hold`` request, at most 30 days; a second ``hold``
+  renews it).
+- ``stop`` while HELD (:func:`stop_held`) releases the hold: the teardown goes ahead now. A
+  person who says ``stop`` to a held box wants it to stop billing.
+
+Every request is checked whole before anything changes: a refused one (400, 409) leaves the
+state as it was, and an accepted one changes it only after its answer is built.
 """
 
 from __future__ import annotations
@@ -23,15 +31,15 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from .jobvalues import ConfigError, format_duration, parse_duration, printable
+from .jobvalues import MAX_STEERING_S, ConfigError, format_duration, parse_duration, printable
 from .state import Phase, RunState
 from .text import show
 
 log = logging.getLogger("agent.steering")
 
 #: The most one request may add or hold for, seconds (30 days): a typo like ``2000h`` must not
-#: keep a box billing for months.
-MAX_REQUEST_S = 30 * 86400.0
+#: keep a box billing for months. The same bound caps all the extensions of a run together.
+MAX_REQUEST_S = MAX_STEERING_S
 #: How many of the latest actions ``/status`` shows (the state file keeps them all).
 STATUS_ACTIONS = 20
 
@@ -59,8 +67,13 @@ class SteeringError(Exception):
 
 
 def utc_iso(t: float) -> str:
-    """``2025-06-01T14:00:00Z``: how steering messages and log lines give a time."""
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """``2025-06-01T14:00:00Z``: how steering messages and log lines give a time. Never raises:
+    a time no calendar can show (a state file from before the duration bound) comes out as
+    epoch seconds."""
+    try:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, ValueError, OSError):
+        return f"{t:.0f} (epoch seconds)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,14 +104,15 @@ def parse_request_duration(body: str, *, default: float | None = None) -> float:
             return default
         raise SteeringError(f"no duration given: send one as the request body ({_DURATION_HINT})")
     try:
-        seconds = parse_duration("duration", value)
+        # The request's own bound (30 days, tighter than the job file's year) is said below.
+        seconds = parse_duration("duration", value, maximum=math.inf)
     except ConfigError as exc:
         raise SteeringError(str(exc)) from None
     if seconds > MAX_REQUEST_S:
+        said = f"{format_duration(seconds)}, more" if seconds < 1e12 else "more"
         raise SteeringError(
-            f"duration: {show(value)} is {format_duration(seconds)}, more than the "
-            f"{format_duration(MAX_REQUEST_S)} one request may ask for; ask for less (and again "
-            "later if need be)"
+            f"duration: {show(value)} is {said} than the {format_duration(MAX_REQUEST_S)} one "
+            "request may ask for; ask for less (and again later if need be)"
         )
     return seconds
 
@@ -139,20 +153,48 @@ def deadline_at(state: RunState, max_runtime_s: float | None) -> float | None:
 
 
 def extend(
-    state: RunState, seconds: float, *, now: float, max_runtime_s: float | None
+    state: RunState,
+    seconds: float,
+    *,
+    now: float,
+    max_runtime_s: float | None,
+    stopping: str | None = None,
 ) -> dict[str, Any]:
     """Move the ``max_runtime`` deadline ``seconds`` later; the JSON answer of ``POST /extend``.
 
     Refused (:class:`SteeringError`, 409) when the job has no ``max_runtime``, when the run is
-    past TRAINING (the deadline no longer applies), and when the deadline has already passed by
-    more than ``seconds`` (the extension would end the run at once)."""
+    past TRAINING (the deadline no longer applies), when a stop is already under way
+    (``stopping`` says why: a stop request, a limit reached), when the run's extensions would
+    add up to more than 30 days, and when the deadline has already passed by more than
+    ``seconds`` (the extension would end the run at once)."""
     _check_seconds(seconds)
     if state.phase not in _EXTENDABLE:
         raise SteeringError(_not_extendable(state.phase), status=CONFLICT)
+    if stopping is not None:
+        raise SteeringError(
+            f"cannot extend: the run is already stopping ({stopping}); an extension cannot "
+            "call the stop back",
+            status=CONFLICT,
+        )
     if max_runtime_s is None:
         raise SteeringError(
             "nothing to extend: the job has no limits.max_runtime, so no deadline ends the run "
             "(it trains until it completes, stalls or hits its budget)",
+            status=CONFLICT,
+        )
+    total = state.extended_s + seconds
+    if total > MAX_STEERING_S:
+        room = max(0.0, MAX_STEERING_S - state.extended_s)
+        more = (
+            f"at most {format_duration(room)} more may be added"
+            if room >= 1
+            else "nothing more may be added"
+        )
+        raise SteeringError(
+            f"cannot extend by {format_duration(seconds)}: a run's extensions add up to at most "
+            f"{format_duration(MAX_STEERING_S)} and {format_duration(state.extended_s)} were "
+            f"already added; {more} (to train longer, raise limits.max_runtime in the job file "
+            "for the next run)",
             status=CONFLICT,
         )
     old = deadline_at(state, max_runtime_s)
@@ -165,26 +207,28 @@ def extend(
             f"{format_duration(now - old)}",
             status=CONFLICT,
         )
-    state.extended_s += seconds
-    state.steering.append({"at": now, "action": "extend", "seconds": seconds, "deadline_at": new})
     left = format_duration(new - now)
+    answer = {
+        "ok": True,
+        "action": "extend",
+        "phase": state.phase.value,
+        "message": f"deadline extended by {format_duration(seconds)}: max_runtime now ends the "
+        f"run at {utc_iso(new)} (in {left})",
+        "extended_s": total,
+        "deadline_at": new,
+    }
+    # Checked and answered: only now does the state change.
+    state.extended_s = total
+    state.steering.append({"at": now, "action": "extend", "seconds": seconds, "deadline_at": new})
     log.info(
         "steering at %s: extend by %s: max_runtime deadline now %s (in %s; %s added in all)",
         utc_iso(now),
         format_duration(seconds),
         utc_iso(new),
         left,
-        format_duration(state.extended_s),
+        format_duration(total),
     )
-    return {
-        "ok": True,
-        "action": "extend",
-        "phase": state.phase.value,
-        "message": f"deadline extended by {format_duration(seconds)}: max_runtime now ends the "
-        f"run at {utc_iso(new)} (in {left})",
-        "extended_s": state.extended_s,
-        "deadline_at": new,
-    }
+    return answer
 
 
 def _not_extendable(phase: Phase) -> str:
@@ -211,29 +255,26 @@ def hold(state: RunState, *, now: float, timeout_s: float) -> dict[str, Any]:
 
     Refused (409) once the run has ended (DONE or FAILED): the teardown has happened."""
     _check_seconds(timeout_s)
+    if timeout_s > MAX_STEERING_S:
+        raise SteeringError(
+            f"cannot hold for {format_duration(timeout_s)}: a hold lasts at most "
+            f"{format_duration(MAX_STEERING_S)} from the request (hold again later to renew it)",
+        )
     if state.phase.terminal:
         raise SteeringError(
             f"cannot hold: the run has ended ({state.phase.value}) and its teardown is done",
             status=CONFLICT,
         )
+    decided = (state.teardown or {}).get("action") if state.phase is Phase.TEARDOWN else None
+    if decided:
+        raise SteeringError(
+            f"cannot hold: the teardown is under way ({decided}, decided already) and a hold "
+            "cannot call it back",
+            status=CONFLICT,
+        )
     renewed = hold_active(state, now)
     until = now + timeout_s
-    if renewed and state.hold is not None:
-        state.hold["until"] = until
-    else:
-        state.hold = {"at": now, "until": until, "released_at": None}
-    state.steering.append(
-        {"at": now, "action": "hold", "seconds": timeout_s, "until": until, "renewed": renewed}
-    )
     left = format_duration(until - now)
-    log.info(
-        "steering at %s: hold %s in phase %s: the box is kept until %s (in %s) unless released",
-        utc_iso(now),
-        "renewed" if renewed else "set",
-        state.phase.value,
-        utc_iso(until),
-        left,
-    )
     when = f"until {utc_iso(until)} (in {left}) unless released (`release`)"
     if state.phase is Phase.HELD:
         message = f"hold renewed: the box stays up {when}"
@@ -247,6 +288,22 @@ def hold(state: RunState, *, now: float, timeout_s: float) -> dict[str, Any]:
             f"hold {'renewed' if renewed else 'set'}: when the run ends the box stays up "
             f"(phase HELD, nothing torn down) {when}; the teardown goes ahead after that"
         )
+    # Checked and answered: only now does the state change.
+    if renewed and state.hold is not None:
+        state.hold["until"] = until
+    else:
+        state.hold = {"at": now, "until": until, "released_at": None}
+    state.steering.append(
+        {"at": now, "action": "hold", "seconds": timeout_s, "until": until, "renewed": renewed}
+    )
+    log.info(
+        "steering at %s: hold %s in phase %s: the box is kept until %s (in %s) unless released",
+        utc_iso(now),
+        "renewed" if renewed else "set",
+        state.phase.value,
+        utc_iso(until),
+        left,
+    )
     return {
         "ok": True,
         "action": "hold",
@@ -261,20 +318,11 @@ def release(state: RunState, *, now: float) -> dict[str, Any]:
     ``POST /release``. Refused (409) when nothing is held."""
     if not hold_active(state, now):
         raise SteeringError(_nothing_held(state, now), status=CONFLICT)
-    assert state.hold is not None
-    state.hold["released_at"] = now
-    state.steering.append({"at": now, "action": "release"})
-    held = format_duration(now - float(state.hold["at"]))
-    log.info(
-        "steering at %s: release in phase %s after %s held: the teardown goes ahead",
-        utc_iso(now),
-        state.phase.value,
-        held,
-    )
     if state.phase is Phase.HELD:
         message = "released: the teardown goes ahead now"
     else:
         message = "hold released: when the run ends, the teardown goes ahead as planned"
+    _release(state, now, "release")
     return {
         "ok": True,
         "action": "release",
@@ -282,6 +330,39 @@ def release(state: RunState, *, now: float) -> dict[str, Any]:
         "message": message,
         "hold": _hold_view(state, now),
     }
+
+
+def stop_held(state: RunState, *, now: float, teardown: str) -> dict[str, Any]:
+    """``stop`` to a held box (phase HELD): release the hold, so the teardown goes ahead now;
+    the JSON answer of ``POST /stop`` then. ``teardown`` says what the teardown will do (the
+    job's plan for the run's reason). Refused (409) when the box is not held."""
+    if not hold_active(state, now):
+        raise SteeringError(
+            _nothing_held(state, now).replace("release", "stop", 1), status=CONFLICT
+        )
+    _release(state, now, "stop")
+    return {
+        "ok": True,
+        "action": "stop",
+        "phase": state.phase.value,
+        "message": f"stop: the box was held; the hold is released and the teardown goes ahead "
+        f"now ({teardown})",
+        "hold": _hold_view(state, now),
+    }
+
+
+def _release(state: RunState, now: float, action: str) -> None:
+    assert state.hold is not None
+    state.hold["released_at"] = now
+    state.steering.append({"at": now, "action": action})
+    held = format_duration(now - float(state.hold["at"]))
+    log.info(
+        "steering at %s: %s in phase %s after %s held: the teardown goes ahead",
+        utc_iso(now),
+        action,
+        state.phase.value,
+        held,
+    )
 
 
 def _nothing_held(state: RunState, now: float) -> str:
@@ -335,7 +416,6 @@ def _hold_view(state: RunState, now: float) -> dict[str, Any] | None:
 
 
 def _check_seconds(seconds: float) -> None:
-    # The request's own limit (30 days) is parse_request_duration's; a job's hold_timeout may
-    # be longer.
+    # The request's text was bounded by parse_request_duration; this is for callers in code.
     if not (math.isfinite(seconds) and seconds > 0):
         raise SteeringError(f"duration: {seconds!r} s is not a positive number of seconds")

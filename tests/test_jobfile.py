@@ -2063,3 +2063,115 @@ def test_profile_and_notify_sections_both_accepted() -> None:
     doc["notify"] = {"webhook": "https://hooks.example.com/x"}
     job = parse(doc)
     assert job.profile.enabled and job.notify is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Every duration has one bound (agent/jobvalues.py parse_duration): a year, 30 days for a hold
+
+EVERY_DURATION_KEY = [
+    *DURATION_KEYS,
+    ("limits", "restart_backoff"),
+    ("limits", "first_epoch_timeout"),
+    ("limits", "finish_reserve"),
+    ("limits", "exit_grace"),
+    ("preemption", "poll_interval"),
+    ("profile", "timeout"),
+    ("teardown", "hold_timeout"),
+]
+
+
+def _with_duration(section: str, key: str, value: object) -> dict[str, Any]:
+    values: dict[str, Any] = {key: value}
+    if section == "sync":
+        values.update(VALID_SYNC)
+    return with_section(section, values)
+
+
+@pytest.mark.parametrize("huge", ["99999999999999999999d", "366d", 10**12, "8761h"], ids=repr)
+@pytest.mark.parametrize(("section", "key"), EVERY_DURATION_KEY)
+def test_no_duration_is_longer_than_a_year(section: str, key: str, huge: object) -> None:
+    exc = config_error(_with_duration(section, key, huge))
+    assert_names_key(exc, f"{section}.{key}")
+    bound = "30d" if key == "hold_timeout" else "365d"
+    assert f"more than {bound}, the longest this duration may be" in str(exc)
+    assert "\n" not in str(exc)
+
+
+@pytest.mark.parametrize(("section", "key"), EVERY_DURATION_KEY)
+def test_the_longest_duration_is_accepted(section: str, key: str) -> None:
+    longest = "30d" if key == "hold_timeout" else "365d"
+    job = parse(_with_duration(section, key, longest))
+    assert job is not None
+
+
+def test_a_hold_timeout_longer_than_30_days_is_refused_with_the_bound() -> None:
+    exc = config_error(with_section("teardown", {"hold_timeout": "31d"}))
+    assert str(exc) == (
+        "teardown.hold_timeout: '31d' is 31d, more than 30d, the longest this duration may be; "
+        "give a shorter one"
+    )
+
+
+def test_check_refuses_an_endless_max_runtime_in_one_line(tmp_path: Path) -> None:
+    # The reproduction: `check` accepted it, then /hold and /extend failed with 500.
+    path = write_job(tmp_path, f'{MINIMAL}[limits]\nmax_runtime = "99999999999999999999d"\n')
+    proc = run_check(path, tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "libreyolo-agent: error: limits.max_runtime: '99999999999999999999d' is more than 365d, "
+        "the longest this duration may be; give a shorter one"
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# [train] values of the type LibreYOLO's option takes
+
+
+@requires_libreyolo
+def test_check_names_every_train_value_of_the_wrong_type_at_once(tmp_path: Path) -> None:
+    text = (
+        f'{MINIMAL}batch = "big"\namp = "yes"\ncls_pw = 2\nlr0 = "abc"\nworkers = 2.5\n'
+        'imgsz = 640\nmosaic = "0.5"\nepochs = 3\nsave_period = "10"\n'
+    )
+    proc = run_check(write_job(tmp_path, text), tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert "Traceback" not in proc.stderr
+    label = LIBREYOLO.label
+    assert proc.stderr.strip().splitlines() == [
+        f"libreyolo-agent: error: train.batch: 'big' is not an integer: `libreyolo train` of "
+        f"{label} takes an integer, e.g. batch = 16",
+        f"libreyolo-agent: error: train.amp: 'yes' is not a boolean (true or false): "
+        f"`libreyolo train` of {label} takes a boolean (true or false), e.g. amp = true",
+        f"libreyolo-agent: error: train.cls_pw: 2 is out of range: `libreyolo train` of {label} "
+        "takes a number from 0 to 1, e.g. cls_pw = 0.0",
+        f"libreyolo-agent: error: train.lr0: 'abc' is not a number: `libreyolo train` of {label} "
+        "takes a number, e.g. lr0 = 0.01",
+        f"libreyolo-agent: error: train.workers: 2.5 is not an integer: `libreyolo train` of "
+        f"{label} takes an integer, e.g. workers = 4",
+    ]
+
+
+def test_typed_train_values_are_checked_with_the_given_options() -> None:
+    from agent.trainargs import OptionType
+
+    options = TrainOptions(
+        names=frozenset({"data", "batch", "amp", "frac"}),
+        version="9",
+        types={
+            "batch": OptionType("int", default=16),
+            "amp": OptionType("bool", default=True),
+            "frac": OptionType("float", minimum=0.0, maximum=1.0),
+            "data": OptionType("str"),
+        },
+    )
+    good = parse(with_section("train", {"batch": "16", "amp": 1, "frac": "0.5"})).train
+    check_train_options(good, options)
+    bad = parse(with_section("train", {"batch": True, "amp": 2, "frac": -0.1})).train
+    with pytest.raises(ConfigError) as info:
+        check_train_options(bad, options)
+    assert [e.key for e in info.value.errors] == ["train.batch", "train.amp", "train.frac"]
+    assert (
+        "train.frac: -0.1 is out of range: `libreyolo train` of LibreYOLO 9 takes a number "
+        "from 0 to 1" in str(info.value)
+    )

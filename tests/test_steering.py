@@ -72,6 +72,11 @@ def test_request_durations_in_text_or_json(body: str, seconds: float) -> None:
         ('{"duration": [1]}', "duration: [1] is not a duration"),
         ("31d", "is 31d, more than the 30d one request may ask for"),
         ("2000h", "more than the 30d one request may ask for"),
+        (
+            "99999999999999999999d",
+            "duration: '99999999999999999999d' is more than the 30d one request may ask for",
+        ),
+        ('{"duration": 1e300}', "duration: 1e+300 is more than the 30d one request may ask for"),
     ],
 )
 def test_bad_request_durations_say_why(body: str, expected: str) -> None:
@@ -273,11 +278,73 @@ def test_hold_after_the_run_ended_is_a_conflict(phase: Phase) -> None:
     assert state.hold is None and state.steering == []
 
 
-def test_a_hold_longer_than_a_request_may_ask_is_fine_from_the_job() -> None:
-    # The 30-day limit is the request's; the job's teardown.hold_timeout is the job's business.
+def test_no_hold_lasts_more_than_30_days_whoever_asks() -> None:
+    # A job built in code with a longer hold_timeout gets the same bound as a request (the job
+    # file's teardown.hold_timeout is refused by `check` past 30 days).
     state = run()
-    hold(state, now=T0, timeout_s=40 * 86400.0)
-    assert hold_active(state, T0 + 35 * 86400.0)
+    with pytest.raises(SteeringError) as info:
+        hold(state, now=T0, timeout_s=40 * 86400.0)
+    assert str(info.value) == (
+        "cannot hold for 40d: a hold lasts at most 30d from the request (hold again later to "
+        "renew it)"
+    )
+    assert state.hold is None and state.steering == []
+    hold(state, now=T0, timeout_s=MAX_REQUEST_S)
+    assert hold_active(state, T0 + 29 * 86400.0)
+
+
+def test_extensions_add_up_to_at_most_30_days_and_a_refusal_changes_nothing() -> None:
+    state = run()
+    for i in range(3):
+        extend(state, 10 * 86400.0, now=T0 + i, max_runtime_s=H)
+    assert state.extended_s == MAX_REQUEST_S
+    before = (state.extended_s, list(state.steering))
+    with pytest.raises(SteeringError) as info:
+        extend(state, 60.0, now=T0 + 10, max_runtime_s=H)
+    assert info.value.status == 409
+    assert str(info.value) == (
+        "cannot extend by 1m: a run's extensions add up to at most 30d and 30d were already "
+        "added; nothing more may be added (to train longer, raise limits.max_runtime in the job "
+        "file for the next run)"
+    )
+    assert (state.extended_s, state.steering) == before
+
+    state = run()
+    extend(state, 29 * 86400.0, now=T0, max_runtime_s=H)
+    with pytest.raises(SteeringError) as info:
+        extend(state, 2 * 86400.0, now=T0, max_runtime_s=H)
+    assert "29d were already added; at most 1d more may be added" in str(info.value)
+    assert state.extended_s == 29 * 86400.0
+
+
+def test_extend_while_a_stop_is_under_way_is_a_conflict_and_changes_nothing() -> None:
+    state = run()
+    with pytest.raises(SteeringError) as info:
+        extend(state, H, now=T0, max_runtime_s=H, stopping="a stop was requested")
+    assert info.value.status == 409
+    assert str(info.value) == (
+        "cannot extend: the run is already stopping (a stop was requested); an extension "
+        "cannot call the stop back"
+    )
+    assert state.extended_s == 0.0 and state.steering == []
+
+
+def test_hold_once_the_teardown_is_decided_is_a_conflict() -> None:
+    state = run(Phase.TEARDOWN)
+    state.teardown = {"action": "destroy", "provider": "vast"}
+    with pytest.raises(SteeringError) as info:
+        hold(state, now=T0, timeout_s=H)
+    assert info.value.status == 409
+    assert str(info.value) == (
+        "cannot hold: the teardown is under way (destroy, decided already) and a hold cannot "
+        "call it back"
+    )
+    assert state.hold is None and state.steering == []
+
+
+def test_a_time_no_calendar_shows_is_given_in_epoch_seconds() -> None:
+    # A state file from before the duration bound must not make a message raise.
+    assert utc_iso(1e24) == "999999999999999983222784 (epoch seconds)"
 
 
 def test_release_in_held_lets_the_teardown_go_ahead_now() -> None:

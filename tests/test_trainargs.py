@@ -165,3 +165,129 @@ def test_a_libreyolo_of_another_layout_is_not_checked(tmp_path: Path) -> None:
 def test_unavailable_options_say_why() -> None:
     options = TrainOptions(reason="libreyolo is not installed for this Python")
     assert not options.available and options.close_matches("epoch") == []
+
+
+# ---- types -------------------------------------------------------------------------------------
+
+
+def test_types_come_from_the_annotations_and_the_options_bounds() -> None:
+    source = textwrap.dedent(
+        """
+        import typer
+        from typing import Optional
+
+        def train_cmd(
+            data: str = typer.Option(...),
+            model: str = typer.Option("yolox-s"),
+            epochs: int = typer.Option(300),
+            batch: int = 16,
+            imgsz: str = typer.Option("640"),
+            device: str = typer.Option("auto"),
+            amp: bool = typer.Option(True),
+            cls_pw: float = typer.Option(0.0, min=0.0, max=1.0),
+            lr: Optional[float] = typer.Option(None, min=-1),
+            keep: int | None = typer.Option(None),
+            paths: list[str] = typer.Option([]),
+        ) -> None:
+            pass
+        """
+    )
+    options = read_train_options(source)
+    types = options.types
+    assert {k: t.kind for k, t in types.items()} == {
+        "data": "str",
+        "model": "str",
+        "epochs": "int",
+        "batch": "int",
+        "imgsz": "str",
+        "device": "str",
+        "amp": "bool",
+        "no_amp": "bool",
+        "cls_pw": "float",
+        "lr": "float",
+        "keep": "int",
+    }  # a list is not understood, so not checked
+    assert (types["cls_pw"].minimum, types["cls_pw"].maximum) == (0.0, 1.0)
+    assert (types["lr"].minimum, types["lr"].maximum) == (-1.0, None)
+    assert types["batch"].default == 16 and types["data"].default is None
+    assert options.value_problem("paths", 5) is None
+    assert options.value_problem("keep", "x") == (
+        "'x' is not an integer: `libreyolo train` of LibreYOLO takes an integer"
+    )
+    assert options.value_problem("lr", -2) == (
+        "-2 is out of range: `libreyolo train` of LibreYOLO takes a number of at least -1"
+    )
+
+
+#: (key, TOML value) pairs, each checked here and by LibreYOLO's own parser.
+TYPED_VALUES: list[tuple[str, object]] = [
+    ("batch", 16),
+    ("batch", "16"),
+    ("batch", "big"),
+    ("batch", 16.0),
+    ("batch", 16.5),
+    ("batch", True),
+    ("batch", "1_6"),
+    ("batch", "-1"),
+    ("workers", "2.5"),
+    ("lr0", "abc"),
+    ("lr0", "1e-3"),
+    ("lr0", 1),
+    ("lr0", False),
+    ("amp", True),
+    ("amp", False),
+    ("amp", "TRUE"),
+    ("amp", "yes"),
+    ("amp", 1),
+    ("amp", 2),
+    ("single_cls", "0"),
+    ("cls_pw", 2),
+    ("cls_pw", 0.5),
+    ("cls_pw", "-0.1"),
+    ("imgsz", 640),
+    ("device", 0),
+    ("aux_weight", "x"),
+    ("aux_weight", 0.25),
+    ("eval_max_det", "10"),
+]
+
+
+@requires_libreyolo
+def test_type_verdicts_match_what_libreyolos_cli_parses() -> None:
+    # LibreYOLO's real command parses each value (parsing only: nothing trains; this imports
+    # torch: seconds). The check must refuse exactly what it refuses.
+    from agent.trainer import _fmt
+
+    argvs = [f"{k}={_fmt(v)}" for k, v in TYPED_VALUES]  # type: ignore[arg-type]
+    script = (
+        "import json, sys, typer, typer.main\n"
+        "from libreyolo.cli.commands.train import train_cmd\n"
+        "from libreyolo.cli.parsing import KeyValueCommand\n"
+        "app = typer.Typer(add_completion=False)\n"
+        "app.command(cls=KeyValueCommand)(train_cmd)\n"
+        "cmd = typer.main.get_command(app)\n"
+        "out = []\n"
+        "for arg in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        cmd.make_context('train', ['data=d.yaml', arg])\n"
+        "        out.append(None)\n"
+        "    except Exception as exc:\n"
+        "        out.append(type(exc).__name__)\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = {arg: why is not None for arg, why in zip(argvs, refused, strict=True)}
+    ours = {
+        f"{k}={_fmt(v)}": INSTALLED.value_problem(k, v) is not None  # type: ignore[arg-type]
+        for k, v in TYPED_VALUES
+    }
+    assert ours == theirs
+    assert sum(theirs.values()) >= 8  # the list really holds refused values
