@@ -231,8 +231,9 @@ bootstrap: THE JOB FILE IS NOT VALID: $job_dest (from $source_desc); its errors 
 bootstrap: The agent is started all the same: it cannot train this job, so it takes the job's
 bootstrap: gated failure decision ([teardown] on_preflight_failure; where [teardown] itself cannot
 bootstrap: be read it keeps the box and says so), visible in its log, /status and notifications.
-bootstrap: Fix the job (check it on your laptop first: libreyolo-agent check JOB), then start
-bootstrap: again. This script exits 3 once the agent is started.
+bootstrap: Fix the job (check it on your laptop first: libreyolo-agent check JOB); the agent
+bootstrap: records this ending in $state_dir/state.json: remove that file before the fixed job
+bootstrap: can run on this box. This script exits 3 once the agent is started.
 bootstrap: ====================================================================================
 EOF
 fi
