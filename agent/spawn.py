@@ -20,11 +20,32 @@ class TrainerError(Exception):
 #: Environment variable that marks a trainer with the id of the launch that started it.
 LAUNCH_ENV = "LIBREYOLO_AGENT_LAUNCH_ID"
 
+#: What a trainer never gets: the keys that can stop or destroy this box (the providers' own,
+#: as the agent reads them: agent/config.py ``Env``) and the cloud credentials a ``command``
+#: teardown's tool reads (``aws``, ``gcloud``). The trainer runs the job's code and writes a log
+#: that leaves the box; it needs ``HF_TOKEN`` (weights, a private dataset) and nothing of these.
+PROVIDER_SECRET_ENV = (
+    "CONTAINER_API_KEY",
+    "VAST_API_KEY",
+    "RUNPOD_API_KEY",
+    "LAMBDA_API_KEY",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "CLOUDSDK_AUTH_ACCESS_TOKEN",
+)
+
+
+def without_provider_secrets(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less :data:`PROVIDER_SECRET_ENV`."""
+    return {k: v for k, v in environ.items() if k not in PROVIDER_SECRET_ENV}
+
 
 def trainer_env(argv: list[str], launch_id: str | None) -> dict[str, str]:
-    """The environment a trainer starts with: ours, unbuffered, marked with its launch id, and
-    able to import this agent when it runs one of the agent's entry points."""
-    env = dict(os.environ)
+    """The environment a trainer starts with: ours less the provider keys
+    (:data:`PROVIDER_SECRET_ENV`), unbuffered, marked with its launch id, and able to import
+    this agent when it runs one of the agent's entry points."""
+    env = without_provider_secrets(dict(os.environ))
     env.setdefault("PYTHONUNBUFFERED", "1")
     if launch_id is not None:
         env[LAUNCH_ENV] = launch_id

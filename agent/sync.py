@@ -30,6 +30,7 @@ from .config import SyncSection
 from .crashpoints import crashpoint
 from .follow import CheckpointFollower
 from .ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
+from .redactlog import as_sent
 from .rundir import SMALL_FILES, RunStatus, epoch_snapshots, is_epoch_file
 from .sinks import DIGESTS, Sink
 from .snapshots import (
@@ -369,6 +370,8 @@ class SyncEngine:
         files: list[tuple[Path, str, ItemKind]] = []
         if run_dir is not None:
             files += [(run_dir / name, name, ItemKind.SMALL) for name in SMALL_FILES]
+        # Logs go up as /logs shows them: secrets redacted (agent/redactlog.py).
+        extra = await asyncio.to_thread(as_sent, extra, self.state_dir / "redacted")
         files += [(path, f"agent/{path.name}", ItemKind.AGENT) for path in extra]
         queued = 0
         for src, remote, kind in files:

@@ -189,3 +189,17 @@ def test_make_provider_builds_it() -> None:
     p = make_provider(cfg, Env())
     assert p.name == "command"
     assert asyncio.run(p.teardown("destroy", "completed")).confirmed
+
+
+def test_the_command_gets_the_cloud_credentials_but_not_the_hub_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_command_must_not_see_this_0123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-for-the-teardown-tool")
+    script = (
+        "import os; print('hf', os.environ.get('HF_TOKEN'), "
+        "'aws', 'AWS_SECRET_ACCESS_KEY' in os.environ)"
+    )
+    result = asyncio.run(provider([PY, "-c", script]).teardown("destroy", "completed"))
+    assert result.confirmed
+    assert "output: hf None aws True" in result.detail

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +25,7 @@ from agent.daemon import Daemon
 from agent.events import Event
 from agent.state import Phase
 from tests.fakes.scripted_launcher import ScriptedLauncher
+from tests.fakes.scripted_trainer import SCRIPT
 from tests.support import tiny_job, wait_for
 
 #: Every variable :meth:`Env.from_environ` reads that holds a secret or an account's name,
@@ -137,3 +139,91 @@ def test_no_fake_secret_appears_anywhere_the_agent_serves_or_writes(
         if hit:
             found[str(path)] = hit
     assert found == {}
+
+
+#: The provider keys: the trainer must not have them at all.
+PROVIDER_KEYS = ("CONTAINER_API_KEY", "VAST_API_KEY", "RUNPOD_API_KEY", "LAMBDA_API_KEY")
+
+#: A trainer that shows what it was given: the names of the fake secrets in its environment and
+#: the Hub token's value (a careless print), on stderr (trainer.log), then trains as the scripted
+#: stand-in does.
+NOSY_TRAINER = """
+import os, runpy, sys
+names = {names!r}
+print("trainer sees:", ",".join(n for n in names if n in os.environ), file=sys.stderr, flush=True)
+print("HF_TOKEN is", os.environ.get("HF_TOKEN"), file=sys.stderr, flush=True)
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+class NosyLauncher(ScriptedLauncher):
+    def __init__(self, wrapper: Path, **options: object) -> None:
+        super().__init__(**options)
+        self.wrapper = wrapper
+
+    def _base(self) -> list[str]:
+        return [sys.executable, str(self.wrapper), *super()._base()[2:]]
+
+
+def test_the_trainer_gets_no_provider_key_and_its_log_leaves_redacted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in FAKE_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "FAKESECRET_aws_secret_1111")
+    monkeypatch.setenv("LIBREYOLO_AGENT_STATE_DIR", str(tmp_path / "state"))
+    wrapper = tmp_path / "nosy_trainer.py"
+    names = [*FAKE_SECRETS, "AWS_SECRET_ACCESS_KEY"]
+    wrapper.write_text(NOSY_TRAINER.format(names=names, script=str(SCRIPT)))
+    data = tmp_path / "data.yaml"
+    data.write_text("train: images\nval: images\nnames:\n  0: box\n")
+    target = tmp_path / "synced"
+    job = tiny_job(
+        tmp_path,
+        data,
+        sections=f'[sync]\ntarget = "file://{target}"\n[teardown]\nprovider = "none"\n',
+    )
+    env = Env.from_environ(os.environ)
+    launcher = NosyLauncher(wrapper, epoch_s=0.1, pause_at=2)
+    daemon = Daemon(job, env, launcher=launcher, poll_interval_s=0.05)
+    seen: dict[str, str] = {}
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        try:
+            await wait_for(lambda: daemon.run_dir and (daemon.run_dir / ".paused").exists(), 120)
+            assert daemon.run_dir is not None and daemon.state.trainer is not None
+            pid = daemon.state.trainer.pid
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            seen.update(
+                entry.decode().split("=", 1)  # type: ignore[misc]
+                for entry in raw.split(b"\0")
+                if b"=" in entry
+            )
+            (daemon.run_dir / ".go").write_text("")
+        except BaseException:
+            if daemon.run_dir is not None:
+                (daemon.run_dir / ".go").write_text("")
+            raise
+        return await asyncio.wait_for(task, 120)
+
+    assert asyncio.run(main()) == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "completed"
+    # The trainer's own environment: the Hub token (weights), no key that can end the box.
+    assert seen.get("HF_TOKEN") == FAKE_SECRETS["HF_TOKEN"]
+    assert [k for k in (*PROVIDER_KEYS, "AWS_SECRET_ACCESS_KEY") if k in seen] == []
+    assert not any(FAKE_SECRETS[k] in v for k in PROVIDER_KEYS for v in seen.values())
+
+    # The trainer printed the token into its log on this disk...
+    local = (env.state_dir / "trainer.log").read_text()
+    assert f"HF_TOKEN is {FAKE_SECRETS['HF_TOKEN']}" in local
+    assert "trainer sees: HF_TOKEN,CONTAINER_ID,RUNPOD_POD_ID\n" in local
+    # ...and the copy on the target has it redacted, as /logs shows it.
+    uploaded = (target / "agent" / "trainer.log").read_text()
+    assert "HF_TOKEN is <HF_TOKEN>" in uploaded
+    assert "trainer sees:" in uploaded and "epoch" in uploaded
+    assert leaks(uploaded) == []
+    for path in target.rglob("*"):
+        if path.is_file():
+            assert leaks(path.read_bytes().decode("latin-1")) == [], path

@@ -2,7 +2,7 @@
 
 ``teardown.command`` (destroy) and ``teardown.stop_command`` (stop) are argv lists run without a
 shell, in their own session, stdin closed, with ``LIBREYOLO_TEARDOWN_ACTION`` and
-``LIBREYOLO_TEARDOWN_REASON`` added to the agent's environment; after
+``LIBREYOLO_TEARDOWN_REASON`` added to the agent's environment (``HF_TOKEN`` left out); after
 ``teardown.command_timeout`` the whole process group gets SIGTERM, then SIGKILL. Examples:
 ``["shutdown", "-h", "now"]`` on EC2 with InstanceInitiatedShutdownBehavior=terminate,
 ``["gcloud", "compute", "instances", "delete", "NAME", "--zone", "ZONE", "--quiet"]``.
@@ -124,7 +124,9 @@ class CommandProvider:
     ) -> TeardownResult | tuple[int | None, bool]:
         """Run ``argv`` to its end or its timeout: ``(exit status, timed out)``, or the result
         when it could not start."""
-        env = dict(os.environ)
+        # Everything the agent has (the cloud tool's credentials) but the Hub token: a teardown
+        # command has no business with the checkpoints' repository.
+        env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
         env["LIBREYOLO_TEARDOWN_ACTION"] = action
         env["LIBREYOLO_TEARDOWN_REASON"] = reason
         try:
