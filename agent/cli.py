@@ -32,6 +32,8 @@ from .config import ConfigError, Env, Job
 from .jobfile import load_job
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .daemon import Daemon
 
 
@@ -107,6 +109,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stage_hook = None
     fresh_start = None
     demo_root: Path | None = None
+    the_demo: demo.Demo | None = None
+    on_ready: Callable[[Daemon], None] = _print_ready
     if args.job:
         job = _load(args.job)
         env = Env.from_environ()
@@ -118,27 +122,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             err(broken)
             return EXIT_CONFIG
     else:
-        demo_root = Path(args.demo_dir or demo.DEMO_DIR).resolve()
-        job = demo.demo_job(demo_root, port=args.port if args.port is not None else 0)
-        # The demo's state lives in its own folder, whatever LIBREYOLO_AGENT_STATE_DIR says:
-        # that variable names a real job's state, which the demo must never touch.
-        environ = dict(os.environ, LIBREYOLO_AGENT_STATE_DIR=str(demo_root / "state"))
-        env = Env.from_environ(environ)
-        data_root = demo_root / "data"
+        # agent/demo.py: its own state dir, a fresh start unless the last demo run goes on,
+        # Ctrl-C stops the job, exit 0 only once it ended.
+        the_demo = demo.Demo(
+            Path(args.demo_dir or demo.DEMO_DIR), port=args.port if args.port is not None else 0
+        )
+        demo_root, job = the_demo.root, the_demo.job
+        env = Env.from_environ(the_demo.environ(os.environ))
         print(f"demo job: everything goes under {demo_root}", file=sys.stderr)
-
-        def stage_hook() -> None:
-            demo.make_dataset(data_root)
-
-        def fresh_start() -> None:
-            # Runs once the demo holds its state directory's lock: never under a running agent.
-            demo.reset(demo_root)
+        stage_hook, fresh_start = the_demo.stage, the_demo.fresh_start
+        on_ready = the_demo.on_ready(_print_ready)
 
     daemon = Daemon(
         job,
         env,
         stage_hook=stage_hook,
-        on_ready=_print_ready,
+        on_ready=on_ready,
         fresh_start=fresh_start,
         start_guard=bool(args.job),
     )
@@ -153,6 +152,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         err(f"the agent crashed: {type(exc).__name__}: {exc} (traceback in agent.log)")
         return EXIT_FAIL
     _print_summary(daemon, demo_root)
+    if the_demo is not None:
+        code = the_demo.exit_code(daemon, code)
+        if code == demo.EXIT_NOT_ENDED:
+            err(the_demo.not_ended(daemon))
     return code
 
 

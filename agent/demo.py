@@ -1,21 +1,138 @@
 """The embedded demo job: a synthetic detection dataset made on the spot, ``yolox-n`` trained from
 scratch (no download), checkpoints synced to a local folder, teardown ``none``. Offline, CPU or
 GPU, well under a minute of training.
+
+``run`` with no JOB (:class:`Demo`): each run starts the demo over, unless the previous demo run
+has not ended (its agent was killed, or exited on SIGTERM or a second Ctrl-C): that run is
+carried on like any job's (re-attached to its trainer when it still runs), never wiped under a
+live trainer. Ctrl-C stops the demo *job* (``libreyolo-agent stop``: the trainer gets SIGINT, the
+final sync runs, exit 0: the job ended); a second Ctrl-C exits the agent at once and leaves the
+trainer running, exit :data:`EXIT_NOT_ENDED`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
 import shutil
+import signal
 import struct
 import zlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import Job
 from .jobfile import parse_job
+from .rundir import pid_alive
+from .state import StateStore
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("agent.demo")
 
 #: Where the demo puts everything, relative to the current directory.
 DEMO_DIR = Path("libreyolo-agent-demo")
+#: ``run`` with no JOB: the agent exited before the demo job ended (SIGTERM, a second Ctrl-C);
+#: its trainer may still run, and the next ``run`` carries the job on. 0 means the job ended.
+EXIT_NOT_ENDED = 3
+
+
+class Demo:
+    """The demo job's wiring for ``libreyolo-agent run`` with no JOB (agent/cli.py)."""
+
+    def __init__(self, root: Path, *, port: int = 0) -> None:
+        self.root = root.resolve()
+        self.job = demo_job(self.root, port=port)
+        #: The demo's state lives in its own folder, whatever LIBREYOLO_AGENT_STATE_DIR says:
+        #: that variable names a real job's state, which the demo must never touch.
+        self.state_dir = self.root / "state"
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        return dict(base, LIBREYOLO_AGENT_STATE_DIR=str(self.state_dir))
+
+    def stage(self) -> None:
+        make_dataset(self.root / "data")
+
+    def fresh_start(self) -> None:
+        """The daemon's ``fresh_start`` (it runs once this agent holds the demo's lock, so never
+        beside another demo agent): start over, unless the previous demo run has not ended."""
+        try:
+            previous = StateStore(self.state_dir).load()
+        except (ValueError, KeyError, TypeError):
+            return  # the agent refuses an unreadable state file itself, naming it
+        if previous is not None and not previous.phase.terminal:
+            trainer = previous.trainer.pid if previous.trainer else None
+            log.warning(
+                "the previous demo run has not ended (phase %s%s): carrying it on (its trainer "
+                "is re-attached if it still runs); to start over, let it end (Ctrl-C stops it) "
+                "and run the demo again",
+                previous.phase.value,
+                f", trainer pid {trainer}" if trainer else "",
+            )
+            return
+        reset(self.root)
+
+    def on_ready(self, then: Callable[[Daemon], None]) -> Callable[[Daemon], None]:
+        """The daemon's ``on_ready``: ``then``, and Ctrl-C made a stop of the job."""
+
+        def ready(daemon: Daemon) -> None:
+            then(daemon)
+            ctrl_c_stops_the_job(daemon)
+
+        return ready
+
+    def exit_code(self, daemon: Daemon, code: int) -> int:
+        """0 only when the job ended (:data:`EXIT_NOT_ENDED` otherwise)."""
+        if code != 0 or daemon.state.phase.terminal:
+            return code
+        return EXIT_NOT_ENDED
+
+    def not_ended(self, daemon: Daemon) -> str:
+        """The line said when the agent exits before the job ended."""
+        rec = daemon.state.trainer
+        runs = (
+            f"its trainer (pid {rec.pid}) keeps running"
+            if rec is not None and pid_alive(rec.pid, rec.create_time)
+            else "no trainer of it runs"
+        )
+        return (
+            f"the demo job has not ended (phase {daemon.state.phase.value}): {runs}; "
+            f"'libreyolo-agent run{self._dir_option()}' again carries it on"
+        )
+
+    def _dir_option(self) -> str:
+        if self.root == DEMO_DIR.resolve():
+            return ""
+        return f" --demo-dir {self.root}"
+
+
+def ctrl_c_stops_the_job(daemon: Daemon) -> None:
+    """SIGINT to the agent stops the *job* (as ``libreyolo-agent stop``): a person who presses
+    Ctrl-C on the demo wants it to stop, trainer included; the run ends and the agent exits 0.
+    A second one is the daemon's own: the agent exits at once, the trainer goes on."""
+    flags = daemon.flags
+    if flags is None:
+        return
+
+    def on_sigint() -> None:
+        if not flags.stop_job.is_set() and not flags.shutdown.is_set():
+            log.warning(
+                "Ctrl-C: stopping the demo job (the trainer gets SIGINT, then the final sync); "
+                "Ctrl-C again exits at once and leaves the trainer running"
+            )
+            flags.stop_job.set()
+            return
+        if flags.shutdown.is_set():
+            flags.force.set()
+        flags.shutdown.set()
+
+    # Replaces the daemon's handler (agent/signals.py), which signals.remove() takes down.
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_sigint)
 
 
 def demo_job(root: Path, *, port: int = 8421, epochs: int = 3) -> Job:
