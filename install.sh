@@ -151,8 +151,8 @@ if [ "$action" = keep ]; then
       printf '%s\n' "$want" >"$pth"
     fi
     if ! seen="$(sees_torch "${expect[@]}")"; then
-      die "the new venv does not see the image's torch (${packages[*]}); nothing was installed.
-  Install a torch of your choosing instead: TORCH_SPEC=\"$default_torch_spec\" $0"
+      die "the venv does not import the image's torch (${packages[*]}); nothing was installed.
+  Remove $venv and run this again, or install a torch of your choosing instead: TORCH_SPEC=\"$default_torch_spec\" $0"
     fi
     echo "the venv sees $seen"
   fi

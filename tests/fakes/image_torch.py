@@ -4,8 +4,9 @@
 "image" venv of its own when asked (a venv whose base interpreter holds no torch: the uv-made
 images the H200 boxes boot).
 
-Importing the stand-in works (``torch.__version__``, ``torch.version.cuda``); it does nothing
-else: install.sh and agent/torchpick.py must never import it anyway.
+Importing the stand-in works (``torch.__version__``, ``torch.version.cuda``,
+``torch.cuda.get_arch_list()``); it does nothing else: install.sh and agent/torchpick.py must
+never import it anyway.
 """
 
 from __future__ import annotations
@@ -90,8 +91,13 @@ def write_torch(
 ) -> None:
     """A stand-in torch (and torchvision) in ``site``; ``archs`` None: no libtorch_cuda.so."""
     cuda_text = repr(cuda)
+    arch_names = [f"sm_{sm}" for sm in archs or ()] if cuda else []
     files: dict[str, str | bytes] = {
-        "torch/__init__.py": "from torch import version\n__version__ = version.__version__\n",
+        "torch/__init__.py": (
+            "from torch import cuda, version\n__version__ = version.__version__\n"
+        ),
+        # What torch.cuda.get_arch_list() answers (asked by an install.sh that imports torch).
+        "torch/cuda.py": f"def get_arch_list():\n    return {arch_names!r}\n",
         "torch/version.py": (
             "from typing import Optional\n\n"
             "__all__ = ['__version__', 'debug', 'cuda', 'git_version', 'hip']\n"

@@ -1,0 +1,234 @@
+"""install.sh on an H200-like box, for real and offline (issue 24 item 1).
+
+The image's ``python3`` is itself a venv (uv-made GPU images) holding a torch; its base
+interpreter holds none. nvidia-smi says driver 580 and an H200, so the decision is "keep the
+image's torch". pip runs with ``PIP_NO_INDEX=1`` and a local wheel folder made here from this
+interpreter's own installed packages (tests/fakes/wheels.py) that holds no torch and no
+torchvision: were pip ever to want one, the install would fail. It must:
+
+- build a venv that imports exactly the image's torch (its stand-in), checked before pip runs;
+- install the agent and its dependencies into the venv, whose own packages win over the image's
+  (the image holds an old psutil the agent does not accept: pip installs its own, and that one
+  is what the venv imports);
+- change nothing when run again, and still see the image's torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests.fakes import wheels
+from tests.fakes.image_torch import image_venv, write_dist, write_torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INSTALL = REPO_ROOT / "install.sh"
+AGENT_REQUIREMENTS = [
+    r
+    for r in md.requires("libreyolo-agent") or ()
+    if Requirement(r).marker is None  # the base ones, not [dev] or [train]
+]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def snapshot(venv: Path) -> dict[str, tuple[int, int]]:
+    found = {}
+    for path in venv.rglob("*"):
+        if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+            st = path.stat()
+            found[str(path.relative_to(venv))] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def site_of(python: Path) -> Path:
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """The image venv, the wheel folder, a fake nvidia-smi, and install.sh run twice."""
+    root = tmp_path_factory.mktemp("h200")
+    image_python = image_venv(root / "image")
+    image_site = site_of(image_python)
+    # An old psutil in the image: the agent needs >= 5.9, so pip installs its own in the venv.
+    write_dist(image_site, "psutil", "5.0.0", {"psutil/__init__.py": "__version__ = '5.0.0'\n"})
+
+    found = root / "wheels"
+    found.mkdir()
+    for name in wheels.closure(AGENT_REQUIREMENTS):
+        wheels.repack(name, found)
+    wheels.repack("setuptools", found)  # the agent's build backend (pip builds it isolated)
+    torch_reqs = [
+        r for r in md.requires("libreyolo") or () if Requirement(r).name in ("torch", "torchvision")
+    ]
+    assert len(torch_reqs) == 2, torch_reqs
+    wheels.standin("libreyolo", md.version("libreyolo"), torch_reqs, found)
+    assert not list(found.glob("torch*")), "the wheel folder must hold no torch"
+
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(  # answers as a real one does: the header table, or the query's CSV
+        f'#!/bin/sh\necho "$*" >>"{root}/smi-calls"\n'
+        'case "$*" in\n'
+        '  *--query-gpu=*) echo "580.82.07, NVIDIA H200, 9.0" ;;\n'
+        '  *) echo "| NVIDIA-SMI 580.82.07   Driver Version: 580.82.07   CUDA Version: 13.0 |"\n'
+        "     echo '| GPU  Name  Persistence-M |' ;;\n"
+        "esac\n",
+        encoding="utf-8",
+    )
+    smi.chmod(0o755)
+    venv = root / "venv"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "TORCH_", "LIBREYOLO_", "VIRTUAL_ENV", "PYTHON"))
+    }
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHON=str(image_python),
+        VENV=str(venv),
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(found),
+        PIP_NO_CACHE_DIR="1",
+        PIP_CONFIG_FILE=os.devnull,
+        TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
+    )
+    runs, snaps = [], []
+    for _ in range(2):
+        proc = subprocess.run(
+            ["/bin/bash", str(INSTALL)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root,
+            timeout=1200,
+        )
+        runs.append(proc)
+        if proc.returncode != 0:
+            break
+        snaps.append(snapshot(venv))
+    yield {
+        "root": root,
+        "image_site": image_site,
+        "venv": venv,
+        "runs": runs,
+        "snaps": snaps,
+        "env": env,
+    }
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def out(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(2400)
+def test_the_image_torch_is_kept_and_seen_from_the_new_venv(box: dict[str, object]) -> None:
+    runs = box["runs"]
+    assert isinstance(runs, list)
+    first = runs[0]
+    assert first.returncode == 0, out(first)[-4000:]
+    image_site = box["image_site"]
+    text = out(first)
+    assert "keeping the image's torch - the image's torch 2.11.0+cu130 (CUDA 13.0)" in text
+    # Seen before pip ran, from the image venv's own site-packages (not its base's).
+    assert f"the venv sees torch 2.11.0+cu130 (CUDA 13.0) in {image_site}" in text
+    assert text.index("the venv sees torch") < text.index("installing libreyolo-agent")
+    assert "Downloading" not in text and "installing torch" not in text
+    venv = box["venv"]
+    assert isinstance(venv, Path)
+    venv_site = site_of(venv / "bin" / "python")
+    assert not (venv_site / "torch").exists() and not list(venv_site.glob("torch-*"))
+    assert (venv_site / "_libreyolo_image_torch.pth").read_text() == f"{image_site}\n"
+    probe = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import torch, torchvision, psutil; "
+            "print(torch.__file__); print(torch.version.cuda); print(psutil.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    torch_file, cuda, psutil_file = probe.stdout.splitlines()
+    assert Path(torch_file).parent == Path(str(image_site)) / "torch" and cuda == "13.0"
+    # The venv's own packages come first: pip's psutil, not the image's old one.
+    assert Path(psutil_file).is_relative_to(venv_site), psutil_file
+    version = subprocess.run(
+        [str(venv / "bin" / "libreyolo-agent"), "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and "libreyolo-agent" in version.stdout
+    calls = (Path(str(box["root"])) / "smi-calls").read_text().splitlines()
+    query = "--query-gpu=driver_version,name,compute_cap --format=csv,noheader"
+    assert calls == [query] * len(runs)  # one nvidia-smi call per install.sh run
+
+
+@pytest.mark.timeout(2400)
+def test_a_second_run_changes_nothing_and_still_sees_the_torch(box: dict[str, object]) -> None:
+    runs, snaps = box["runs"], box["snaps"]
+    assert isinstance(runs, list) and isinstance(snaps, list)
+    assert len(runs) == 2 and runs[1].returncode == 0, out(runs[-1])[-4000:]
+    second = out(runs[1])
+    assert (
+        "keeping the image's torch" in second and "already installed, nothing to change" in second
+    )
+    assert f"torch 2.11.0+cu130 (CUDA 13.0) in {box['image_site']}" in second
+    assert snaps[0] == snaps[1], "the second install changed the venv"
+
+
+def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> None:
+    """The venv exists, made to see the image, but a torch was pip-installed into it since: it
+    would import that one, not the kept one. install.sh says so and stops before pip (exit 1)."""
+    image_python = image_venv(tmp_path / "image")
+    image_site = site_of(image_python)
+    venv = tmp_path / "venv"
+    subprocess.run([str(image_python), "-m", "venv", "--without-pip", str(venv)], check=True)
+    venv_site = site_of(venv / "bin" / "python")
+    (venv_site / "_libreyolo_image_torch.pth").write_text(f"{image_site}\n", encoding="utf-8")
+    write_torch(venv_site, version="2.14.1", cuda="12.8")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHON": str(image_python),
+        "VENV": str(venv),
+        "PIP_NO_INDEX": "1",
+        "PIP_CONFIG_FILE": os.devnull,
+        "HOME": str(tmp_path),
+    }
+    proc = subprocess.run(
+        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 1, out(proc)
+    assert "keeping the image's torch - the image's torch 2.11.0+cu130" in proc.stdout
+    assert f"the venv's torch is {venv_site / 'torch'}, not the image's" in proc.stderr
+    assert (
+        "does not import the image's torch" in proc.stderr
+        and "nothing was installed" in proc.stderr
+    )
+    assert "installing libreyolo-agent" not in proc.stdout and "Traceback" not in proc.stderr
