@@ -22,6 +22,9 @@ from .state import RunState, StateStore
 
 #: Exit codes of every command: done, failed (or no agent answers), a bad input.
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+#: ``status``: a teardown was decided and the provider has not confirmed it: the box may still
+#: bill (the same number as the agent's own exit with its teardown open).
+EXIT_TEARDOWN_OPEN = 3
 
 
 def err(message: str) -> None:
@@ -114,16 +117,24 @@ def _status_without_agent(
     # With --url alone the local state directory may belong to another agent: not asked then.
     asked = bool(args.state_dir or not args.url)
     if asked and _print_ended(args, state_dir):
-        return EXIT_OK
+        return _teardown_code(_read_state(state_dir))
     record = _read_state(state_dir) if asked else None
     path = StateStore(state_dir).state_path
     why = _unreachable(exc)
     if record is not None:
+        from .teardown import is_open, open_words
+
+        open_td = (
+            f"; its teardown is {open_words(record.teardown or {})}"
+            if is_open(record.teardown)
+            else ""
+        )
         err(
             f"no agent is running for job {record.job_name!r} (nothing answers on {base}: "
             f"{why}), but its state file {path} says {record.phase.value}: the job has not "
-            "ended; start the agent again (libreyolo-agent run JOB.toml) to carry on"
+            f"ended{open_td}; start the agent again (libreyolo-agent run JOB.toml) to carry on"
         )
+        return EXIT_TEARDOWN_OPEN if open_td else EXIT_FAIL
     elif asked:
         err(
             f"no agent is running (nothing answers on {base}: {why}) and {state_dir} has no "
@@ -133,6 +144,13 @@ def _status_without_agent(
     else:
         err(f"no agent answers on {base} ({why}); is --url right?")
     return EXIT_FAIL
+
+
+def _teardown_code(record: RunState | None) -> int:
+    """``status``'s exit code for a job its state file describes: 3 while a teardown is open."""
+    from .teardown import is_open
+
+    return EXIT_TEARDOWN_OPEN if record is not None and is_open(record.teardown) else EXIT_OK
 
 
 def _get_status(base: str) -> dict[str, Any] | int | OSError:
@@ -173,8 +191,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             json.dumps(s, indent=2) if args.json else statusfmt.summary(s, time.time()),
             flush=True,
         )
+        if s.get("teardown_open") and "confirmed" in (s.get("teardown") or {}):
+            err(f"the teardown is {s.get('teardown_warning')}: check the box at the provider")
         if not args.watch or s.get("phase") in ("DONE", "FAILED"):
-            return EXIT_OK
+            return EXIT_TEARDOWN_OPEN if s.get("teardown_open") else EXIT_OK
         time.sleep(args.interval)
 
 
@@ -201,7 +221,7 @@ def _watch(args: argparse.Namespace, base: str, state_dir: Path) -> int:
     sys.stdout.write(view.erase())  # the final record replaces the live summary
     asked = bool(args.state_dir or not args.url)
     if asked and _print_ended(args, state_dir):
-        return EXIT_OK
+        return _teardown_code(_read_state(state_dir))
     if isinstance(got, dict):  # ended, as the agent said; no record here (a remote --url)
         print(statusfmt.summary(got, time.time()), flush=True)
         return EXIT_OK

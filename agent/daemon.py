@@ -31,7 +31,7 @@ from .notify import Notifier
 from .preemption import Notice, PreemptionWatcher
 from .profiling import ProfileResult
 from .progress import ProgressTracker
-from .providers import Provider, make_provider
+from .providers import Provider
 from .resume import boot_id
 from .rundir import RunStatus, read_status
 from .sdnotify import SdNotify
@@ -70,7 +70,9 @@ class Daemon(TrainingMixin, ControlMixin):
         start_guard: bool = False,
         launcher: Launcher | None = None,
         sink: Sink | None = None,
-        provider_factory: Callable[[TeardownSection, Env], Provider] = make_provider,
+        provider_factory: Callable[[TeardownSection, Env], Provider] = (
+            teardown.make_teardown_provider
+        ),
         gpu: GpuMonitor | None = None,
     ) -> None:
         """The collaborators come from outside, so the orchestrator is tested with fakes:
@@ -280,6 +282,7 @@ class Daemon(TrainingMixin, ControlMixin):
                 f"{previous.job_name!r}, not {self.job.job.name!r}; use another "
                 "LIBREYOLO_AGENT_STATE_DIR or remove its state.json"
             )
+        restart.reopen_unconfirmed(previous, self.clock())  # DONE, never confirmed: TEARDOWN
         if previous.phase.terminal:
             log.info(
                 "job %s already ended: phase=%s reason=%s; nothing to do "
@@ -324,6 +327,11 @@ class Daemon(TrainingMixin, ControlMixin):
             return await self._teardown_phase(self.state.reason, resumed=True)
         if start == Phase.PREFLIGHT:
             staged: asyncio.Task[bool] | None = None
+            from .preflight import canary
+
+            # Provider, key and sync target: proven always, preflight on or off.
+            if not await canary.gate(self):
+                return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.job.preflight.enabled:
                 transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT
                 self._save()
@@ -534,13 +542,31 @@ class Daemon(TrainingMixin, ControlMixin):
         await self._send_report(self._write_report())
         if self.notifier is not None:
             await self.notifier.flush(10.0)  # the last word leaves before the box may be gone
-        result = await teardown.carry_out(
-            provider, record, reason, resumed=resumed, save=self._save
+        # Done only when the provider confirms: until then the teardown stays open, tried
+        # again with backoff for as long as it takes (agent/teardown.py).
+        result = await teardown.carry_until_confirmed(
+            provider,
+            record,
+            reason,
+            resumed=resumed,
+            save=self._save,
+            wait=self._teardown_wait,
+            on_open=lambda r: self.events.publish(
+                "teardown_confirmed", **r.to_dict(), open=True, attempts=record.get("attempts")
+            ),
+            clock=self.clock,
         )
-        self.events.publish("teardown_confirmed", **result.to_dict())
-        record.update(result.to_dict())
         if self.box_fault:  # resuming on this box would fail again: a new box is needed
             record["box_fault"] = self.box_fault
+        if not result.confirmed:  # the agent was asked to exit: state.json says TEARDOWN
+            self._save()
+            log.error(
+                "exiting with the teardown open (%s): exit %d",
+                result.detail,
+                teardown.EXIT_TEARDOWN_OPEN,
+            )
+            return teardown.EXIT_TEARDOWN_OPEN
+        self.events.publish("teardown_confirmed", **result.to_dict())
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
         self._save()
@@ -556,6 +582,13 @@ class Daemon(TrainingMixin, ControlMixin):
             self.events.publish("failure", reason=reason.value, cause=self.state.cause)
         self.events.publish("done", reason=reason.value, cause=self.state.cause)
         return 0
+
+    async def _teardown_wait(self, seconds: float) -> bool:
+        """The pause between attempts of an open teardown; False when the agent must exit."""
+        assert self.flags is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.flags.shutdown.wait(), seconds)
+        return not self.flags.shutdown.is_set()
 
     async def _watch_gpus(self) -> None:
         """NVML health and load for the run, where a driver answers (a CPU job: none)."""

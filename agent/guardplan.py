@@ -157,9 +157,12 @@ def _plain(value: Any) -> Any:
 def check_environ(environ: Mapping[str, str] | None = None) -> None:
     """Check the guard's variables up front (``run`` before anything starts), so a typo is
     a :class:`ConfigError` naming the variable (exit 2), not a failure of the running agent."""
+    from .teardown import timing_from_env
+
     e = os.environ if environ is None else environ
     _duration_from_env(e, STALE_AFTER_ENV, DEFAULT_STALE_AFTER_S)
     _duration_from_env(e, MARGIN_ENV, DEFAULT_MARGIN_S)
+    timing_from_env(e)  # LIBREYOLO_AGENT_TEARDOWN_TIMING, read by the agent and the guard
 
 
 def write_plan(

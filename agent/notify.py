@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ REDACTED = "<secret>"
 MIN_SECRET = 6
 #: Discord refuses a ``content`` over 2,000 characters.
 MAX_TEXT = 1900
+#: An open teardown (not confirmed, tried again with backoff) is said again at most this often,
+#: seconds: loud enough to wake a person, never a storm.
+REPEAT_OPEN_S = 1800.0
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -211,6 +215,11 @@ def notice_text(job: str, event: Event) -> str:
         text = _teardown_line(d)
     elif kind == "teardown_sent":
         text = f"{d.get('action')} sent to the provider"
+    elif kind == "teardown_confirmed" and d.get("open"):
+        tries = f" (attempt {d['attempts']}, tried again with backoff)" if d.get("attempts") else ""
+        text = f"{d.get('action')} NOT confirmed: the box may still bill{tries}" + (
+            f" - {d['detail']}" if d.get("detail") else ""
+        )
     elif kind == "teardown_confirmed":
         state = "confirmed" if d.get("confirmed") else "NOT confirmed: check the box by hand"
         text = f"{d.get('action')} {state}" + (f" - {d['detail']}" if d.get("detail") else "")
@@ -255,6 +264,8 @@ class Notifier:
         queue_size: int = QUEUE,
         retry: Retry | None = None,
         sleep: Sleep | None = None,
+        repeat_open_s: float = REPEAT_OPEN_S,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``secrets``: every value no notice may carry (``Env.secrets()``'s values); the
         webhook URL is added. ``retry`` and ``sleep`` are for tests (``sleep`` replaces the
@@ -279,6 +290,12 @@ class Notifier:
         self.failed = 0
         self.dropped = 0
         self.last_error: str | None = None
+        #: An open teardown's notices: the first goes, the next ones at most every
+        #: ``repeat_open_s`` (``repeats_held`` counts the ones held back).
+        self.repeat_open_s = repeat_open_s
+        self._clock = clock or time.monotonic
+        self._open_said_at: float | None = None
+        self.repeats_held = 0
         bus.listen(self._on_event)
 
     # ------------------------------------------------------------------ the listener
@@ -296,7 +313,7 @@ class Notifier:
 
     def _on_event(self, event: Event) -> None:
         # Called inside EventBus.publish: format and queue, never wait.
-        if self._closed or not self.wanted(event):
+        if self._closed or not self.wanted(event) or self._repeat_held(event):
             return
         text = self._redact.text(notice_text(self.job, event))
         payload = {
@@ -322,6 +339,17 @@ class Notifier:
             self._progress.set()
         self._queue.append(_Notice(self._queued_total, event.kind, body.encode()))
         self._wake.set()
+
+    def _repeat_held(self, event: Event) -> bool:
+        """An open teardown said again sooner than ``repeat_open_s``: held back."""
+        if event.kind != "teardown_confirmed" or not event.data.get("open"):
+            return False
+        now = self._clock()
+        if self._open_said_at is not None and now - self._open_said_at < self.repeat_open_s:
+            self.repeats_held += 1
+            return True
+        self._open_said_at = now
+        return False
 
     # ------------------------------------------------------------------ the sender
 

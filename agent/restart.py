@@ -9,9 +9,13 @@ takes the (gated) teardown decision, so a bug never becomes a restart loop that 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from .state import SPINE, Phase, RunState
+from .state import SPINE, Phase, Reason, RunState
+from .teardown import NOT_CONFIRMED, is_open
+
+log = logging.getLogger("agent.daemon")
 
 #: This many agent crashes in a row, with no progress between them, is a crash loop.
 MAX_CRASHES = 3
@@ -32,6 +36,20 @@ def resume_phase(was: Phase, previous: RunState) -> Phase:
     if was in (Phase.TEARDOWN, Phase.HELD):
         return Phase.TEARDOWN
     return Phase.PREFLIGHT
+
+
+def reopen_unconfirmed(previous: RunState, now: float) -> bool:
+    """A state.json that says DONE with a teardown never confirmed (written by an older agent,
+    which called that final) goes back to TEARDOWN: the box may still bill. True when it did."""
+    if previous.phase != Phase.DONE or not is_open(previous.teardown):
+        return False
+    log.error(
+        "job %s: DONE, but its teardown is %s: reopening it", previous.job_name, NOT_CONFIRMED
+    )
+    previous.phase = Phase.TEARDOWN  # no transition leaves DONE: this repairs an old record
+    previous.reason = previous.reason or Reason.AGENT_FAILED
+    previous.history.append({"at": now, "event": "teardown reopened: it was never confirmed"})
+    return True
 
 
 def crash_record(state: RunState, exc: BaseException, now: float) -> dict[str, Any]:

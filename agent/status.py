@@ -17,6 +17,7 @@ from .limits import deadlines
 from .rundir import RunStatus, effective_state, pid_alive, read_metrics
 from .state import RunState
 from .steering import steering_status
+from .teardown import NOT_CONFIRMED, is_open
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "steering": steering_status(state, i.now),
         "money": money(i, eta),
         "teardown": state.teardown,
+        # A teardown decided and not confirmed by the provider: the box may still bill.
+        "teardown_open": is_open(state.teardown),
+        "teardown_warning": NOT_CONFIRMED if is_open(state.teardown) else None,
         "started_at": state.started_at,
         "updated_at": state.updated_at,
         "agent_pid": state.agent_pid,

@@ -13,6 +13,7 @@ from typing import Any
 from .jobvalues import format_duration
 from .report import headline, teardown_words, usd
 from .state import RunState
+from .teardown import is_open, open_words
 
 #: Width of the progress bar, characters between the brackets.
 BAR_WIDTH = 24
@@ -102,6 +103,8 @@ def teardown_text(s: Mapping[str, Any], now: float) -> str:
         held = "HELD: the box stays up" if s.get("phase") == "HELD" else "hold set"
         return f"{held} until release or {_in(until, now).removeprefix('in ')} from now"
     td = s.get("teardown")
+    if isinstance(td, Mapping) and td and is_open(td) and "confirmed" in td:
+        return f"{open_words(td)}: {td.get('detail') or td.get('why') or '-'}"
     if isinstance(td, Mapping) and td:
         return f"{teardown_words(td)}: {td.get('detail') or td.get('why') or '-'}"
     return "-"
@@ -161,7 +164,9 @@ def plain_line(s: Mapping[str, Any], now: float) -> str:
     if isinstance(m, Mapping) and m.get("spent_usd") is not None:
         parts.append(usd(m["spent_usd"]))
     td = s.get("teardown")
-    if isinstance(td, Mapping) and td:
+    if isinstance(td, Mapping) and td and is_open(td) and "confirmed" in td:
+        parts.append(f"teardown: {open_words(td)}")
+    elif isinstance(td, Mapping) and td:
         parts.append(f"teardown: {teardown_words(td)}")
     return "  ".join(parts)
 
@@ -204,7 +209,8 @@ def report_summary(report: Mapping[str, Any], source: str) -> str:
 def teardown_line(teardown: Mapping[str, Any] | None) -> str:
     if not teardown:
         return "-"
-    return str(teardown.get("detail") or teardown.get("action") or "-")
+    line = str(teardown.get("detail") or teardown.get("action") or "-")
+    return f"{open_words(teardown)}: {line}" if is_open(teardown) else line
 
 
 def ended_record(record: RunState, path: Path) -> dict[str, Any]:

@@ -5,24 +5,58 @@ Destroying the only copy of the checkpoints is the one mistake that cannot be un
 ``teardown.require_verified_sync`` a destroy whose sync is not verified becomes a stop (the disk
 survives for a few cents an hour). Only a failure before anything was trained - no trainer ever
 started, no checkpoint of this job on disk - has nothing to save.
+
+The rule that costs the most when forgotten: **a teardown is done only when the provider confirms
+it** (a read of the instance shows it stopped or gone; for ``command``, its exit status 0), or when
+the plan was ``keep`` (or the ``none`` dry run). Until then it stays *open*
+(:func:`carry_until_confirmed`): tried again with backoff (:data:`OPEN_FIRST_S` doubling to
+:data:`OPEN_MAX_S`), for as long as it takes, reading back before every send (a call the provider
+accepted is never sent again: only read back), with the record in state.json saying so
+(``open: true``), so a restarted agent, the supervisor or the guard carries on from there.
+
+Timing can be shrunk for tests through ``LIBREYOLO_AGENT_TEARDOWN_TIMING``: comma-separated
+``name=seconds`` pairs, each a field of :class:`agent.providers.api.Timing` (``retry_s``,
+``confirm_s``, ``backoff_max_s``...) or ``open_first_s`` / ``open_max_s`` (the pause between
+attempts of an open teardown).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import JobSection, TeardownAction, TeardownSection, as_action
+from .backoff import delay_s
+from .config import Env, JobSection, TeardownAction, TeardownSection, as_action
 from .crashpoints import crashpoint
-from .providers import Provider, ProviderError, TeardownResult
+from .jobvalues import ConfigError
+from .providers import Provider, ProviderError, TeardownResult, make_provider
 from .state import Reason, RunState
 
+if TYPE_CHECKING:
+    from .providers.api import Timing
+
 log = logging.getLogger("agent.daemon")
+
+#: What every surface says of a teardown that is not confirmed (``status``, ``/status``, the page,
+#: the log, the notices).
+NOT_CONFIRMED = "NOT confirmed: the box may still bill"
+#: The first pause before an open teardown is tried again, seconds; doubled (jittered) up to
+#: :data:`OPEN_MAX_S`: a provider down for hours is asked every five minutes.
+OPEN_FIRST_S = 15.0
+OPEN_MAX_S = 300.0
+TIMING_ENV = "LIBREYOLO_AGENT_TEARDOWN_TIMING"
+_OPEN_KEYS = ("open_first_s", "open_max_s")
+#: The agent's exit code when it was made to exit (a signal) with its teardown open: not 0, so
+#: systemd (``Restart=on-failure``) and ``libreyolo-agent supervise`` start it again, and the new
+#: agent carries the teardown on from state.json (phase TEARDOWN).
+EXIT_TEARDOWN_OPEN = 3
 
 
 @dataclass(frozen=True)
@@ -130,3 +164,115 @@ async def instance_id(provider: Provider) -> str | None:
     except ProviderError as exc:
         log.warning("teardown: cannot identify this instance: %s", exc)
         return None
+
+
+# ----------------------------------------------------------------------------- open teardowns
+
+
+def is_open(record: Mapping[str, Any] | None) -> bool:
+    """A teardown decided and not confirmed: the box may still bill. ``keep`` (and the dry run
+    of provider ``none``) count as done once carried out."""
+    if not record or not record.get("action"):
+        return False
+    if record.get("confirmed") is True:
+        return False
+    return not (record.get("action") == "keep" and "confirmed" in record)
+
+
+def open_words(record: Mapping[str, Any]) -> str:
+    """One line for ``status`` and the notices: ``destroy NOT confirmed: the box may still bill
+    (attempt 3; next in 4m)``."""
+    tries = record.get("attempts")
+    return f"{record.get('action')} {NOT_CONFIRMED}" + (f" (attempt {tries})" if tries else "")
+
+
+def timing_from_env(
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Timing | None, tuple[float, float]]:
+    """The provider timing and the open teardown's ``(first, max)`` pause from
+    ``LIBREYOLO_AGENT_TEARDOWN_TIMING`` (None and the defaults when unset). Raises
+    :class:`ConfigError` naming the variable and the bad pair."""
+    raw = (os.environ if environ is None else environ).get(TIMING_ENV, "").strip()
+    pause = (OPEN_FIRST_S, OPEN_MAX_S)
+    if not raw:
+        return None, pause
+    from dataclasses import fields, replace
+
+    from .providers.api import Timing
+
+    known = {f.name for f in fields(Timing)}
+    values: dict[str, float] = {}
+    for pair in raw.split(","):
+        name, _, text = pair.strip().partition("=")
+        name = name.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if name not in known and name not in _OPEN_KEYS:
+            raise ConfigError(
+                TIMING_ENV, f"{name!r} is not one of {', '.join(sorted(known) + list(_OPEN_KEYS))}"
+            )
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(TIMING_ENV, f"{pair.strip()!r}: the seconds must be a number > 0")
+        values[name] = value
+    first = values.pop("open_first_s", OPEN_FIRST_S)
+    cap = values.pop("open_max_s", OPEN_MAX_S)
+    return (replace(Timing(), **values) if values else None), (first, max(first, cap))
+
+
+def make_teardown_provider(cfg: TeardownSection, env: Env | None = None) -> Provider:
+    """:func:`agent.providers.make_provider` with the timing of ``LIBREYOLO_AGENT_TEARDOWN_TIMING``
+    (what the agent and the guard use)."""
+    timing, _ = timing_from_env()
+    return make_provider(cfg, env, timing=timing)
+
+
+def _reads_back(provider: Provider) -> bool:
+    """Whether the provider can read its instance back. A command cannot: only running it again
+    can finish a failed one."""
+    return provider.name != "command"
+
+
+async def carry_until_confirmed(
+    provider: Provider,
+    record: dict[str, Any],
+    reason: Reason,
+    *,
+    resumed: bool,
+    save: Callable[[], None],
+    wait: Callable[[float], Awaitable[bool]],
+    on_open: Callable[[TeardownResult], object] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> TeardownResult:
+    """:func:`carry_out` until the provider confirms, however long that takes. After each
+    unconfirmed attempt the record says ``open: true``, ``attempts``, ``next_attempt_at`` and the
+    result (saved), ``on_open`` hears of it, and ``wait(seconds)`` pauses; it returns False when
+    the caller must stop (the agent exits): the unconfirmed result is returned then, the record
+    still open, and the next agent (or the guard) carries on."""
+    _, (first_s, max_s) = timing_from_env()
+    attempt = int(record.get("attempts") or 0)
+    while True:
+        result = await carry_out(provider, record, reason, resumed=resumed, save=save)
+        record.update(result.to_dict())
+        if result.confirmed:
+            record["open"] = False
+            record.pop("next_attempt_at", None)
+            return result
+        attempt += 1
+        if not _reads_back(provider):
+            record.pop("sent_at", None)  # nothing to read back: the command runs again
+        pause = delay_s(attempt, first_s=first_s, cap_s=max_s)
+        record.update(open=True, attempts=attempt, next_attempt_at=clock() + pause)
+        log.error(
+            "teardown: %s (attempt %d); trying again in %.0fs, reading back first",
+            open_words(record),
+            attempt,
+            pause,
+        )
+        save()
+        if on_open is not None:
+            on_open(result)
+        if not await wait(pause):
+            return result
+        resumed = True
