@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.hub import run_fake_hub
+from tests.fakes.torch_index import CPU_PAGES, cpu_index
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL = REPO_ROOT / "install.sh"
@@ -107,6 +108,17 @@ def test_cpu_machine_gets_the_default_torch_then_the_agent(
     assert torch.endswith("install torch==2.14.1 torchvision==0.29.1")
     assert "no nvidia-smi: a CPU machine" in out
     assert "gpu" not in agent  # NVML is our own ctypes binding (agent/nvml.py): no gpu extra
+    # PyTorch's CPU index (a closed port here) refused at once: the default, saying what it costs.
+    assert "PyTorch's CPU wheel index did not answer" in out and "Connection refused" in out
+    assert "which is the CUDA build (about 3 GB to download, a 6 GB venv" in out
+
+
+def test_cpu_machine_takes_the_cpu_wheels_where_the_index_answers(tmp_path: Path) -> None:
+    with cpu_index(CPU_PAGES) as base:
+        (torch, agent), out = dry_run(tmp_path, index_base=base)
+    assert torch.endswith(f"install --index-url {base}/cpu torch==2.14.1 torchvision==0.29.1")
+    assert "--index-url" not in agent  # the CPU index holds torch, not the agent's dependencies
+    assert f"PyTorch's CPU wheels from {base}/cpu" in out
 
 
 def test_job_extras_go_with_the_agent_install(tmp_path: Path) -> None:
@@ -120,9 +132,7 @@ def test_job_extras_go_with_the_agent_install(tmp_path: Path) -> None:
 def test_driver_550_box_installs_a_cu124_torch_before_libreyolo(tmp_path: Path) -> None:
     # The base Python's torch (CUDA 13.0 build) is too new for a 12.4 driver.
     base = "http://127.0.0.1:9/whl"
-    (torch, agent), out = dry_run(
-        tmp_path, smi="550.127.05, NVIDIA L4, 8.9\n", index_base=base
-    )
+    (torch, agent), out = dry_run(tmp_path, smi="550.127.05, NVIDIA L4, 8.9\n", index_base=base)
     assert "torch==2.6.0 torchvision==0.21.0" in torch and torch.split(" install ")[1].startswith(
         f"--index-url {base}/cu124"
     )
@@ -167,6 +177,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     root = tmp_path_factory.mktemp("install")
     venv = root / "venv"
     env = dict(os.environ, VENV=str(venv), PYTHON=shutil.which("python3.11") or sys.executable)
+    # As on this project's machines and CI (they reach only PyPI): PyTorch's CPU index does not
+    # answer, so this is the fallback, for real (the default build from the usual index).
+    env["TORCH_INDEX_BASE"] = f"http://127.0.0.1:{closed_port()}/whl"
     for name in ("TORCH_SPEC", "PIP_ARGS", "LIBREYOLO_EXTRAS", "VIRTUAL_ENV"):
         env.pop(name, None)
     outputs, snapshots = [], []
@@ -186,6 +199,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 def test_a_second_install_changes_nothing(installed: tuple[Path, list[str]]) -> None:
     venv, (first, second) = installed
     assert "Successfully installed" in first and "no nvidia-smi: a CPU machine" in first
+    assert "PyTorch's CPU wheel index did not answer" in first
+    assert "the venv sees torch 2.14.1" not in first  # no kept torch: nothing to see before pip
     assert "Successfully installed" not in second and "Downloading" not in second
     assert "Requirement already satisfied: torch==2.14.1" in second
     assert "already installed, nothing to change" in second

@@ -8,10 +8,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ import pytest
 from agent import torchpick
 from agent.torchpick import Gpu, ImageTorch, Smi, decide, has_kernels, parse_smi
 from tests.fakes.image_torch import image_venv
+from tests.fakes.torch_index import CPU_PAGES, closed_port, cpu_index, simple_page
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -314,53 +311,6 @@ def test_sees_says_which_torch_a_venv_imports(tmp_path: Path) -> None:
 
 
 # ---- PyTorch's CPU wheel index, on a machine without nvidia-smi
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def cpu_index(pages: dict[str, str]) -> Iterator[str]:
-    """A simple index on 127.0.0.1 serving ``pages`` (path -> HTML); yields its base URL."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = pages.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Type", "text/html")
-            self.end_headers()
-            self.wfile.write((body or "not found").encode())
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/whl"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
-def simple_page(name: str, *versions: str) -> str:
-    links = "".join(
-        f'<a href="/whl/cpu/{name}-{v.replace("+", "%2B")}-cp311-cp311-manylinux_2_28_x86_64.whl'
-        f'#sha256=00">{name}-{v}-cp311-cp311-manylinux_2_28_x86_64.whl</a><br/>\n'
-        for v in versions
-    )
-    return f"<!DOCTYPE html><html><body>\n{links}</body></html>\n"
-
-
-CPU_PAGES = {
-    "/whl/cpu/torch/": simple_page("torch", "2.13.0+cpu", "2.14.1+cpu"),
-    "/whl/cpu/torchvision/": simple_page("torchvision", "0.29.1+cpu"),
-}
 
 
 def test_cpu_index_answering_gives_the_cpu_wheels() -> None:
