@@ -15,6 +15,7 @@ from pathlib import Path
 from . import resume
 from .config import Job, LimitsSection
 from .events import EventBus
+from .resume import AlreadyDone as AlreadyDone  # supervise.py catches it
 from .rundir import RunStatus, read_status
 from .signals import Flags
 from .sinks import SinkError
@@ -23,10 +24,6 @@ from .sync import SyncEngine
 from .trainer import Launcher, Outcome, build_argv
 
 log = logging.getLogger("agent.daemon")
-
-
-class AlreadyDone(Exception):
-    """The sync target holds this job's completed run: nothing to train on this box."""
 
 
 class RelaunchMixin:
@@ -80,18 +77,22 @@ class RelaunchMixin:
                 )
             return None
         status = read_status(run_dir) if got is not None else None
-        if status is not None and status.state == "completed":
-            raise AlreadyDone(
-                f"the sync target already holds this job's completed run "
-                f"({status.completed_epochs} epochs); nothing to train (use another "
-                "sync.target or job.name to train again)"
-            )
+        total = resume.new_box_epochs(status, self.job.train.epochs)  # AlreadyDone: nothing left
         if not await self._fetch_last_pt(run_dir):
             return None
-        log.info(
-            "the sync target holds this job's last.pt (epoch %s): resuming from it in %s",
+        started_for = status.total_epochs if status else None
+        changed = total is not None and started_for is not None and started_for != total
+        note = (
+            f"; that run was started for {started_for} epochs, this job asks for {total}: it "
+            f"ends at epoch {total}"
+            if changed
+            else ""
+        )
+        (log.warning if changed else log.info)(
+            "the sync target holds this job's last.pt (epoch %s): resuming from it in %s%s",
             status.completed_epochs if status else "?",
             run_dir,
+            note,
         )
         self.run_dir = run_dir
         self.state.resumes.append(
@@ -99,10 +100,9 @@ class RelaunchMixin:
                 "at": self.clock(),
                 "epoch": status.completed_epochs if status else None,
                 "kind": "new_box",
-                "message": "resumed from the sync target's last.pt",
+                "message": f"resumed from the sync target's last.pt{note}",
             }
         )
-        total = status.total_epochs if status else None
         return self._resume_argv(run_dir, total)
 
     async def _fetch_last_pt(self, run_dir: Path) -> bool:

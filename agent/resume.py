@@ -83,6 +83,36 @@ def death_record(
     }
 
 
+class AlreadyDone(Exception):
+    """The sync target holds this job's run with every epoch the job asks for: nothing to
+    train on this box."""
+
+
+def new_box_epochs(remote: RunStatus | None, wanted: int | None) -> int | None:
+    """The total epochs a new box resumes the sync target's run to: the job's own ``epochs``
+    (LibreYOLO trains to the ``epochs`` it is given, whatever the checkpoint's run was started
+    for), else the run's. Raises :class:`AlreadyDone` when that run completed, or has trained
+    every epoch the job asks for (naming both numbers)."""
+    if remote is None:
+        return wanted
+    done = remote.completed_epochs
+    if remote.state == "completed":
+        # A resumed run's final status.json counts that invocation's epochs only: the total.
+        trained = remote.total_epochs or done
+        asks = f"; this job asks for {wanted}" if wanted not in (None, trained) else ""
+        raise AlreadyDone(
+            f"the sync target already holds this job's completed run ({trained} epochs{asks}); "
+            "nothing to train (use another sync.target or job.name to train again)"
+        )
+    if wanted is not None and done >= wanted:
+        raise AlreadyDone(
+            f"the sync target's run of this job has already trained {done} epochs and this "
+            f"job asks for {wanted}: the job is done, nothing to train (raise train.epochs to "
+            "train on, or use another sync.target or job.name to train again)"
+        )
+    return wanted if wanted is not None else remote.total_epochs
+
+
 def counted(resumes: list[dict[str, Any]]) -> int:
     """Resumes that count towards ``max_restarts`` (a handled preemption does not)."""
     return sum(1 for r in resumes if r.get("kind") not in NOT_COUNTED)

@@ -121,6 +121,10 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             stop_reason = await self._supervise_once()
             if stop_reason is _EXITING:
                 return None
+            if stop_reason is _LAUNCH_FAILED:
+                # Nothing ran: a target that holds the finished run (completed), or a launch
+                # that could not start (training_failed); the cause is already set.
+                return self.reason_hint or Reason.TRAINING_FAILED
             if stop_reason is None and self._exit_code != 0:
                 bad_data = await self._doctor_after_exit()
                 if bad_data is not None:
@@ -128,8 +132,6 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                     stop_reason = Reason.PREFLIGHT_FAILED
             assert isinstance(stop_reason, Reason) or stop_reason is None
             reason = self._classify_and_reason(self._exit_code, stop_reason)
-            if stop_reason is _LAUNCH_FAILED:
-                return reason
             if reason == Reason.PREEMPTED:
                 if not await self._after_preemption():
                     return None
@@ -513,9 +515,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         log.info("trainer stopped (%s)", sent)
         return sent
 
-    def _classify_and_reason(self, exit_code: int | None, stop_reason: Any) -> Reason:
-        if stop_reason is _LAUNCH_FAILED:
-            return self.reason_hint or Reason.TRAINING_FAILED
+    def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
         result = read_result(self.store.path("trainer-result.json"))
         if self.run_dir is None and self.state.trainer is not None:
             self.run_dir = run_dir_from_result(result)

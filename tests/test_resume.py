@@ -8,7 +8,15 @@ import pytest
 
 from agent.config import LimitsSection
 from agent.jobfile import parse_job
-from agent.resume import BOOT_ID_ENV, boot_id, counted, death_record, decide
+from agent.resume import (
+    BOOT_ID_ENV,
+    AlreadyDone,
+    boot_id,
+    counted,
+    death_record,
+    decide,
+    new_box_epochs,
+)
 from agent.rundir import RunStatus
 from agent.state import Reason
 from agent.trainer import Outcome, OutcomeKind, build_argv
@@ -149,3 +157,21 @@ def test_the_boot_id_comes_from_the_kernel_unless_a_test_sets_one(
     assert real is None or len(real) >= 32
     monkeypatch.setenv(BOOT_ID_ENV, "simulated")
     assert boot_id() == "simulated"
+
+
+def test_a_new_box_resumes_to_the_jobs_epochs_or_says_the_job_is_done() -> None:
+    # The job's epochs win over the ones the target's run was started for (issue 25.7).
+    assert new_box_epochs(status(2, total=30), 3) == 3
+    assert new_box_epochs(status(2, total=3), 30) == 30
+    assert new_box_epochs(status(2, total=30), None) == 30  # the job leaves it to LibreYOLO
+    assert new_box_epochs(None, 3) == 3  # no status.json on the target: the job's
+    with pytest.raises(AlreadyDone, match="already trained 3 epochs and this job asks for 3"):
+        new_box_epochs(status(3, total=30), 3)
+    # A resumed run's final status.json counts its last invocation's epochs: the total is named.
+    finished = RunStatus.from_dict(
+        {"state": "completed", "completed_epochs": 1, "total_epochs": 30}
+    )
+    with pytest.raises(AlreadyDone, match=r"completed run \(30 epochs; this job asks for 60\)"):
+        new_box_epochs(finished, 60)
+    with pytest.raises(AlreadyDone, match=r"completed run \(30 epochs\); nothing to train"):
+        new_box_epochs(finished, 30)
