@@ -149,6 +149,35 @@ def test_leaks():
             os.kill(pid, 9)
 
 
+def test_a_test_stopped_by_its_timeout_has_its_processes_killed_too(
+    pytester: pytest.Pytester,
+) -> None:
+    # Seen: a 120-epoch trainer and a guard kept running after a test's timeout.
+    pidfile = pytester.path / "orphan.pid"
+    pytester.makeconftest("from tests.conftest import _ends_its_processes, pytest_configure\n")
+    pytester.makepyfile(
+        test_slow=f"""
+import pathlib, subprocess, sys, time
+
+def test_hangs():
+    out = subprocess.run([sys.executable, "-c", {_SPAWN_ORPHAN!r}], capture_output=True,
+                         text=True, check=True).stdout
+    pathlib.Path({str(pidfile)!r}).write_text(out)
+    time.sleep(600)
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--timeout", "5")
+    pid = int(pidfile.read_text())
+    try:
+        result.assert_outcomes(failed=1)
+        assert "Timeout" in result.stdout.str()
+        assert f"killed: pid {pid}: sleep 300" in result.stdout.str()
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, 9)
+
+
 @pytest.fixture(autouse=True)
 def _importable_tests(monkeypatch: pytest.MonkeyPatch) -> None:
     """The inner pytest run imports this project's ``tests`` package."""
