@@ -570,6 +570,8 @@ class Daemon(TrainingMixin, ControlMixin):
         record["finished_at"] = self.clock()
         transition(self.state, Phase.DONE)  # TEARDOWN -> DONE
         self._save()
+        for beat in [t for t in self._tasks if t.get_name() == "heartbeat"]:
+            beat.cancel()  # the job ended: its guard exits, and no beat may start another
         paths = self._write_report()  # before anyone can read DONE and look for it
         if record.get("action") != "destroy":
             await self._send_report(paths)  # the box is still there: the final version too

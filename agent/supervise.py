@@ -530,6 +530,9 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         self.state.outcome = outcome.to_dict()
         log.info("trainer outcome: %s (%s)", outcome.kind, outcome.message)
         reason, self.state.cause = outcome.reason(stop_reason, self.breach_message)
+        trained = bool(self.status and self.status.completed_epochs) or bool(self.state.resumes)
+        if reason == Reason.TRAINING_FAILED and outcome.kind == OutcomeKind.CONFIG and not trained:
+            reason = Reason.PREFLIGHT_FAILED  # LibreYOLO refused the job before epoch 1
         return reason
 
     async def _follow(self, launched_at: float) -> None:
