@@ -149,6 +149,7 @@ def test_stop_runs_the_stop_command_not_the_destroy_command(tmp_path: Path) -> N
     result = asyncio.run(p.teardown("stop", "stalled"))
     assert result.confirmed
     assert stopped.exists() and not destroyed.exists()
+    assert "disk keeps billing" in result.detail and "may be gone on restart" in result.detail
 
 
 def test_missing_program_is_reported() -> None:

@@ -71,6 +71,20 @@ def test_price_is_the_instances_dph(vast: FakeVast) -> None:
     assert asyncio.run(provider(vast).price_usd_per_hour()) == pytest.approx(3.4828)
 
 
+def test_identify_reads_the_disk_and_the_storage_price() -> None:
+    with run_fake_vast(keys={KEY}) as fake:
+        fake.add_instance("1234", disk_space=250.0, storage_cost=0.2)
+        ident = asyncio.run(provider(fake, key=None, account_key=KEY).identify())
+        assert (ident.disk_gb, ident.storage_usd_per_gb_month) == (250.0, 0.2)
+        fake.add_instance("1234", dph_total=None, disk_space=None, storage_cost=None)
+        ident = asyncio.run(provider(fake, key=None, account_key=KEY).identify())
+        assert (ident.price_usd_per_hour, ident.disk_gb, ident.storage_usd_per_gb_month) == (
+            None,
+            None,
+            None,
+        )
+
+
 def test_destroy_confirmed_through_429_5xx_hang_and_lingering_state(
     vast: FakeVast, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -84,6 +98,7 @@ def test_destroy_confirmed_through_429_5xx_hang_and_lingering_state(
     result = asyncio.run(provider(vast).teardown("destroy", "completed", on_sent=sent.append))
     assert result.confirmed and result.performed, result.detail
     assert "instances: null" in result.detail
+    assert "disk keeps billing" not in result.detail  # destroyed: nothing bills
     assert vast.instance("1234") is None
     assert vast.instance("999") is not None
     only_this_instance(vast)
@@ -107,6 +122,9 @@ def test_stop_confirmed_when_actual_status_reads_exited_or_stopped(stopped_statu
         inst = fake.instance("1234")
         assert inst is not None and inst["actual_status"] == stopped_status
         assert f"actual_status={stopped_status}" in result.detail
+        # A stop is not free, and the GPUs may not come back: said with the result.
+        assert "disk keeps billing" in result.detail
+        assert "GPUs are released" in result.detail and "may be gone on restart" in result.detail
 
 
 def test_intended_stopped_alone_is_not_a_stop(vast: FakeVast) -> None:

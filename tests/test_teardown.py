@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from agent.config import Env, TeardownSection
 from agent.daemon import Daemon
+from agent.events import Event
 from agent.state import Phase, Reason, StateStore
 from agent.teardown import decide
 from tests.fakes.providers import FakeVast, run_fake_vast
@@ -88,10 +90,17 @@ api_url = "{fake.url}"
 def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
     tmp_path: Path, dataset: Path
 ) -> None:
-    # The target cannot be written (its folder is a file): nothing can be verified, so the
-    # completed run's destroy must become a stop, and the fake must never see a DELETE.
+    # The target cannot be written once training starts (its folder becomes a file; the
+    # canary before training found it writable): nothing can be verified, so the completed
+    # run's destroy must become a stop, and the fake must never see a DELETE.
     blocker = tmp_path / "not-a-folder"
-    blocker.write_text("x")
+    blocker.mkdir()
+
+    def block(event: Event) -> None:
+        if event.kind == "phase" and event.data.get("to") == "STAGING":
+            shutil.rmtree(blocker)
+            blocker.write_text("x")
+
     with run_fake_vast(keys=set(), instance_keys={KEY: "1234"}) as fake:
         fake.add_instance("1234")
         fake.add_instance("999")
@@ -99,7 +108,10 @@ def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
             tmp_path, dataset, epochs=1, sections=vast_sections(fake, f"file://{blocker}/sub")
         )
         env = Env(state_dir=tmp_path / "state", container_id="1234", container_api_key=KEY)
-        code = asyncio.run(Daemon(job, env, poll_interval_s=0.5).run())
+        daemon = Daemon(job, env, poll_interval_s=0.5)
+        daemon.events.listen(block)
+        code = asyncio.run(daemon.run())
+        assert blocker.read_text() == "x"
         assert code == 0
         state = StateStore(env.state_dir).load()
         assert state is not None and state.reason == Reason.COMPLETED

@@ -14,17 +14,21 @@ import asyncio
 
 from agent.config import Env, Job
 from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
-from agent.providers import ProviderError, make_provider
+from agent.providers import Provider, ProviderError, make_provider
 
 #: A read of one instance; the provider's own retries are bounded well above this.
 PROVIDER_TIMEOUT_S = 60.0
 
 
-async def provider_check(job: Job | None, env: Env, timeout_s: float) -> Check | None:
-    """The ``provider`` check; None when there is no job or the provider cannot be asked."""
+async def provider_check(
+    job: Job | None, env: Env, timeout_s: float, *, provider: Provider | None = None
+) -> Check | None:
+    """The ``provider`` check; None when there is no job or the provider cannot be asked.
+    ``provider`` defaults to the one the job names (the daemon passes its own factory's)."""
     if job is None or job.teardown.provider == "none":
         return None
-    provider = make_provider(job.teardown, env)
+    if provider is None:
+        provider = make_provider(job.teardown, env)
     name = f"provider.{job.teardown.provider}"
     try:
         ident = await asyncio.wait_for(provider.identify(), min(timeout_s, PROVIDER_TIMEOUT_S))

@@ -162,6 +162,14 @@ def make_provider(
     return NoneProvider()
 
 
+#: What every confirmed stop says (the result, so the log, state.json, /status and the
+#: notification): a stopped box is not free, and what made it worth renting may not come back.
+STOP_NOTE = (
+    "stopped, not destroyed: its disk keeps billing, and its GPUs are released: nothing "
+    "reserves them, they may be gone on restart"
+)
+
+
 def finished(
     action: TeardownAction, performed: bool, confirmed: bool, detail: str
 ) -> TeardownResult:

@@ -32,7 +32,7 @@ from ..backoff import delay_s, retry_after_s
 from ..config import Env, TeardownAction, TeardownSection
 from ..jobvalues import instance_id_problem
 from ..text import one_line
-from . import Identity, OnSent, ProviderError, TeardownResult, finished, redact
+from . import STOP_NOTE, Identity, OnSent, ProviderError, TeardownResult, finished, redact
 
 log = logging.getLogger("agent.providers")
 
@@ -107,6 +107,11 @@ def gone_404(reply: Reply) -> bool:
     one (a proxy, a wrong ``teardown.api_url``) says nothing about the instance, and must never
     be read as "destroyed" - that would end the record of a box that still bills."""
     return reply.status == 404 and isinstance(reply.data, Mapping)
+
+
+def stop_note(action: TeardownAction, reading: Reading) -> str:
+    """``; STOP_NOTE`` for a stop that left the box stopped (a gone box bills nothing)."""
+    return f"; {STOP_NOTE}" if action == "stop" and reading.state == "stopped" else ""
 
 
 def done(action: TeardownAction, reading: Reading) -> bool:
@@ -452,7 +457,10 @@ class ApiProvider:
         if not done(action, reading):
             log.info("teardown: %s instance %s reads %s: not done", self.name, iid, reading.status)
             return None
-        detail = f"{self.name}: {action} of instance {iid} confirmed: it reads {reading.status}"
+        detail = (
+            f"{self.name}: {action} of instance {iid} confirmed: it reads {reading.status}"
+            + stop_note(action, reading)
+        )
         log.info("teardown: %s (read back, nothing re-sent)", detail)
         return TeardownResult(action, True, True, detail)
 
@@ -466,7 +474,7 @@ class ApiProvider:
         if done(action, reading):
             detail = (
                 f"{self.name}: {action} of instance {iid} confirmed: it reads {reading.status} "
-                f"(the call itself was refused: {sent.detail})"
+                f"(the call itself was refused: {sent.detail})" + stop_note(action, reading)
             )
             return finished(action, False, True, detail)
         detail = (
@@ -501,6 +509,7 @@ class ApiProvider:
                     detail = (
                         f"{self.name}: {action} of instance {iid} confirmed: it reads "
                         f"{reading.status} ({reads} read-back(s), {loop.time() - start:.0f}s)"
+                        + stop_note(action, reading)
                     )
                     return finished(action, performed, True, detail)
             left = deadline - loop.time()

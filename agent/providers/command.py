@@ -24,7 +24,7 @@ import tempfile
 from typing import IO
 
 from ..config import Env, TeardownAction, TeardownSection
-from . import Identity, OnSent, ProviderError, TeardownResult, finished, redact
+from . import STOP_NOTE, Identity, OnSent, ProviderError, TeardownResult, finished, redact
 
 log = logging.getLogger("agent.providers")
 
@@ -107,7 +107,7 @@ class CommandProvider:
         if code == 0:
             detail = (
                 f"command: {action}: {shown} exited 0, confirmed by its own success "
-                f"({NOT_READ_BACK}){said}"
+                f"({NOT_READ_BACK}){said}" + (f"; {STOP_NOTE}" if action == "stop" else "")
             )
             return finished(action, True, True, detail)
         detail = f"command: {action}: {shown} failed with exit {code}{said}; NOT confirmed"

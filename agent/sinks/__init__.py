@@ -62,6 +62,10 @@ class Sink(Protocol):
         box, resumes from it. None when it is not there; SinkError when it cannot be read or
         does not match. Blocking."""
 
+    def delete(self, remote_path: str) -> None:
+        """Remove ``remote_path`` from the target (nothing when it is not there): preflight's
+        canary (``agent/.canary``) leaves nothing behind. Blocking."""
+
 
 def _blocks(f: io.RawIOBase, chunk: int) -> Iterator[memoryview]:
     """The file's bytes, ``chunk`` at a time, read into one reused buffer (no copy per read)."""

@@ -136,6 +136,21 @@ class HubSink:
             tmp.unlink(missing_ok=True)
             raise SinkError(f"{action} failed: {exc.strerror or exc}") from exc
 
+    def delete(self, remote_path: str) -> None:
+        path = self._check(remote_path)
+        try:
+            self._api.delete_file(
+                path,
+                self.repo_id,
+                repo_type="model",
+                revision=self.revision,
+                commit_message=f"libreyolo-agent: delete {path}",
+            )
+        except hub.CALL_ERRORS as exc:
+            if hub.classify(exc, token=self._token).kind == "missing_file":
+                return  # not there: nothing to delete
+            raise self._error(f"delete of {path} from {self.description}", exc) from exc
+
     def _headers(self) -> dict[str, str]:
         headers = {"user-agent": f"libreyolo-agent/{__version__}"}
         if self._token:

@@ -64,3 +64,10 @@ class LocalSink:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise SinkError(f"download of {remote_path} failed: {exc.strerror or exc}") from exc
+
+    def delete(self, remote_path: str) -> None:
+        target = self._target(remote_path)
+        try:
+            target.unlink(missing_ok=True)
+        except OSError as exc:
+            raise SinkError(f"cannot delete {target}: {exc.strerror or exc}") from exc

@@ -1,0 +1,157 @@
+"""What every job proves before training, even with ``[preflight] enabled = false``: that the
+agent can end this box's bill and save its work. Cheap (a second or two), so it always runs:
+
+- ``provider.<name>``: the teardown provider can act on THIS box: the instance read with the key
+  (``GET`` the instance, no change made: a 401/403 fails naming the variable, never its value),
+  or the ``command`` provider's executables found (``teardown.command``, ``stop_command``);
+  with preflight on, its own provider check (price and cap included) does this instead.
+- ``target.canary``: the sync target takes a write: ``agent/.canary`` is written through the
+  very sink the sync uses (``file://`` or ``hf://``), read back (size and sha256) and deleted.
+  A ``file://`` path under a file, or an ``hf://`` token without write access, fails here,
+  before a GPU hour is spent on checkpoints that could never leave the box.
+
+A failure ends the job as ``preflight_failed`` (with its teardown) like any preflight failure;
+the checks are in ``preflight.json`` when the full preflight is off, and in agent.log always.
+An outage of the target that may pass (a 5xx, a rate limit, no answer within
+:data:`CANARY_TIMEOUT_S`) is a warning: uploads retry, and a box that can train is not torn down
+for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.config import Env, Job
+from agent.preflight.cloud import PROVIDER_TIMEOUT_S, provider_check
+from agent.preflight.report import FAIL, PASS, WARN, Check, PreflightReport, make_check
+from agent.sinks import Sink, SinkError
+
+if TYPE_CHECKING:
+    from agent.daemon import Daemon
+
+log = logging.getLogger("agent.daemon")
+
+#: Where the canary goes, under the target's own prefix (beside the agent's logs).
+CANARY_PATH = "agent/.canary"
+#: The most the canary may take (the Hub client retries a 5xx on its own for ~25 s).
+CANARY_TIMEOUT_S = 90.0
+
+
+def _write_canary(sink: Sink) -> tuple[str, bool]:
+    """Prepare the target, write the canary, read it back, delete it: ``(what happened,
+    retryable)``, or ``("", False)`` when all went well. Blocking."""
+    data = f"libreyolo-agent canary {os.getpid()} {time.time():.6f}\n".encode()
+    digest = hashlib.sha256(data).hexdigest()
+    with tempfile.TemporaryDirectory(prefix="libreyolo-canary-") as tmp:
+        local = Path(tmp) / ".canary"
+        local.write_bytes(data)
+        try:
+            sink.prepare()
+            sink.upload(local, CANARY_PATH)
+            back = sink.stat(CANARY_PATH)
+        except SinkError as exc:
+            return str(exc), exc.retryable and not _local(sink)
+        if back is None or (back.size, back.sha256) != (len(data), digest):
+            seen = "nothing" if back is None else f"{back.size} bytes, sha256 {back.sha256[:12]}"
+            return f"{CANARY_PATH} was written but reads back as {seen}", False
+        try:
+            sink.delete(CANARY_PATH)
+        except SinkError as exc:
+            # Written and read back: the target works; a leftover canary is only untidy.
+            log.warning("preflight: the canary could not be removed: %s", exc)
+    return "", False
+
+
+def _local(sink: Sink) -> bool:
+    # A local folder's errors (not a directory, read-only, no space) do not pass by themselves.
+    return sink.description.startswith("file://")
+
+
+async def target_check(sink: Sink, timeout_s: float = CANARY_TIMEOUT_S) -> Check:
+    """``target.canary``: write, read back and delete ``agent/.canary`` on the target."""
+    name = "target.canary"
+    t0 = time.monotonic()
+    try:
+        work = asyncio.to_thread(_write_canary, sink)
+        problem, retryable = await asyncio.wait_for(work, timeout_s)
+    except TimeoutError:
+        problem, retryable = f"no answer within {timeout_s:.0f} s", True
+    took = time.monotonic() - t0
+    if not problem:
+        value = f"{sink.description}: {CANARY_PATH} written, read back and deleted ({took:.1f} s)"
+        return make_check(name, PASS, value, None)
+    if retryable:
+        return make_check(
+            name,
+            WARN,
+            f"{sink.description}: could not prove a write yet: {problem}",
+            "uploads retry; check the target if this persists",
+        )
+    return make_check(
+        name,
+        FAIL,
+        f"{sink.description}: cannot write there: {problem}",
+        "fix sync.target (or the access it needs) before a GPU hour is spent on checkpoints "
+        "that could never leave the box",
+    )
+
+
+async def essential_checks(daemon: Daemon) -> list[Check]:
+    """The provider (only when the full preflight, which has its own, is off) and the target."""
+    job: Job = daemon.job
+    env: Env = daemon.env
+    checks: list[Check] = []
+    if not job.preflight.enabled:
+        provider = daemon.provider_factory(job.teardown, env)
+        found = await provider_check(job, env, PROVIDER_TIMEOUT_S, provider=provider)
+        if found is not None:
+            checks.append(found)
+    if daemon.sync is not None:
+        checks.append(await target_check(daemon.sync.sink))
+    return checks
+
+
+async def gate(daemon: Daemon) -> bool:
+    """Run :func:`essential_checks` for a job about to start; False when one failed (the cause
+    is recorded, the report written and, where the target works, sent): the caller tears the
+    box down as ``preflight_failed``."""
+    t0 = time.monotonic()
+    checks = await essential_checks(daemon)
+    if not checks:
+        return True
+    report = PreflightReport(tuple(checks), time.monotonic() - t0)
+    for check in report.warnings():
+        fix = f" (fix: {check.fix})" if check.fix else ""
+        log.warning("preflight warning: %s: %s%s", check.name, check.value, fix)
+    if not daemon.job.preflight.enabled:
+        # The full preflight is off: these checks are the job's preflight report.
+        daemon.preflight_report = report.to_dict()
+        daemon.store.write_report("preflight.json", daemon.preflight_report)
+    if report.ok:
+        log.info(
+            "provider and target checks passed: %s",
+            ", ".join(f"{c.name} {c.status}" for c in checks),
+        )
+        return True
+    failed = ", ".join(f"{c.name} ({c.value})" for c in report.failures())
+    log.error("preflight failed: %s", failed)
+    daemon.state.cause = f"preflight failed: {failed}"
+    if daemon.job.preflight.enabled:
+        daemon.preflight_report = report.to_dict()
+        daemon.store.write_report("preflight.json", daemon.preflight_report)
+    if any(c.name == "target.canary" and c.status == FAIL for c in checks):
+        # Nothing can be sent there: no billed minutes spent waiting on uploads that cannot
+        # succeed (the report and the teardown go ahead without a target).
+        if daemon.sync is not None:
+            await daemon.sync.close()
+            daemon.sync = None
+    else:
+        await daemon._sync_reports()  # the target works: the reason leaves the box first
+    return False
