@@ -168,7 +168,7 @@ def _teardown_line(data: dict[str, Any]) -> str:
     if data.get("downgraded") and action == "stop":
         return (
             "destroy downgraded to stop - checkpoints not verified off the box; the box keeps "
-            "billing (its disk)"
+            "billing (its disk), and its GPUs are released: they may be gone on restart"
         )
     if data.get("downgraded") or "KEPT" in why:
         return f"the box is KEPT and keeps billing (all of it) - {why}"

@@ -253,7 +253,7 @@ def _event(kind: str, **data: Any) -> Event:
         (
             _event("teardown", action="stop", why="destroy downgraded to stop: x", downgraded=True),
             "run1: destroy downgraded to stop - checkpoints not verified off the box; the box "
-            "keeps billing (its disk)",
+            "keeps billing (its disk), and its GPUs are released: they may be gone on restart",
         ),
         (
             _event(

@@ -38,7 +38,9 @@ def data(tmp_path: Path) -> Path:
     return path
 
 
-def run_job(tmp_path: Path, data: Path, sections: str, env: Env) -> tuple[int, Daemon, list]:
+def run_job(
+    tmp_path: Path, data: Path, sections: str, env: Env
+) -> tuple[int, Daemon, list[list[str]]]:
     launcher = ScriptedLauncher(epoch_s=0.05)
     job = tiny_job(tmp_path, data, sections=sections)
     daemon = Daemon(job, env, launcher=launcher, poll_interval_s=0.05)
@@ -46,7 +48,7 @@ def run_job(tmp_path: Path, data: Path, sections: str, env: Env) -> tuple[int, D
     return code, daemon, launcher.launched
 
 
-def failed_before_training(daemon: Daemon, launched: list, check: str) -> dict[str, Any]:
+def failed_before_training(daemon: Daemon, launched: list[list[str]], check: str) -> dict[str, Any]:
     """The job ended as preflight_failed on ``check``, no trainer ever started, and the check
     is in preflight.json; returns that check."""
     assert daemon.state.phase == Phase.DONE
@@ -57,7 +59,7 @@ def failed_before_training(daemon: Daemon, launched: list, check: str) -> dict[s
     report = json.loads((daemon.env.state_dir / "preflight.json").read_text())
     [found] = [c for c in report["checks"] if c["name"] == check]
     assert found["status"] == "fail", found
-    return found
+    return dict(found)
 
 
 def state_env(tmp_path: Path, **kw: Any) -> Env:
