@@ -110,7 +110,8 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
 def money(i: StatusInputs, eta_s: float | None) -> dict[str, Any]:
     """Spent so far at the job's price (from the job's first boot), projected to the end of
     training, and what the box would cost per hour once stopped (disk only: allocated GB x
-    storage price / 720, the figure ``libreyolo-agent cost`` uses). None where unknown."""
+    storage price / 720, the figure ``libreyolo-agent cost`` uses; ``stopped_rate_source``
+    says whether the disk is the provider's own figure or an estimate). None where unknown."""
     lim = i.limits or i.job.limits
     price = lim.price_usd_per_hour
     elapsed_h = max(0.0, i.now - i.state.started_at) / 3600.0
@@ -118,14 +119,19 @@ def money(i: StatusInputs, eta_s: float | None) -> dict[str, Any]:
     if price is not None:
         spent = price * elapsed_h
         projected = spent + price * (eta_s or 0.0) / 3600.0
+    # The stopped rate from the provider's own disk figures where it gives them (Vast's
+    # disk_space and storage_cost, read by preflight), else an estimate: this filesystem's size.
+    disk_gb, storage = provider_disk(i.preflight)
+    storage = storage if storage is not None else lim.storage_usd_per_gb_month
+    source = "provider" if disk_gb is not None else "estimate"
     stopped = None
-    if lim.storage_usd_per_gb_month is not None:
+    if storage is not None and disk_gb is None:
         try:
-            total = shutil.disk_usage(nearest_existing(i.job.job.runs_dir)).total
+            disk_gb = shutil.disk_usage(nearest_existing(i.job.job.runs_dir)).total / 1e9
         except OSError:
-            total = None
-        if total is not None:
-            stopped = stopped_usd_per_hour(total / 1e9, lim.storage_usd_per_gb_month)
+            disk_gb = None
+    if storage is not None and disk_gb is not None:
+        stopped = stopped_usd_per_hour(disk_gb, storage)
     return {
         "price_usd_per_hour": price,
         "price_from_provider": lim.price_auto,
@@ -133,4 +139,19 @@ def money(i: StatusInputs, eta_s: float | None) -> dict[str, Any]:
         "projected_usd": projected,
         "budget_usd": lim.budget_usd,
         "stopped_usd_per_hour": stopped,
+        "stopped_rate_source": source if stopped is not None else None,
     }
+
+
+def provider_disk(preflight: dict[str, Any] | None) -> tuple[float | None, float | None]:
+    """``(disk GB, storage USD per GB-month)`` as the provider reported them at preflight (the
+    ``provider.*`` check's details), each None where it did not."""
+    for check in (preflight or {}).get("checks") or ():
+        if str(check.get("name", "")).startswith("provider."):
+            details = check.get("details") or {}
+            disk, storage = details.get("disk_gb"), details.get("storage_usd_per_gb_month")
+            return (
+                float(disk) if isinstance(disk, int | float) else None,
+                float(storage) if isinstance(storage, int | float) else None,
+            )
+    return None, None
