@@ -112,8 +112,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     the_demo: demo.Demo | None = None
     on_ready: Callable[[Daemon], None] = _print_ready
     if args.job:
-        job = _load(args.job)
+        try:
+            job = _load(args.job)
+        except ConfigError as exc:
+            return _bad_job(args.job, exc, supervised=False)
         env = Env.from_environ()
+        _set_aside_bad_job_record(env)
         from . import guardplan
 
         guardplan.check_environ()  # a typo in the guard's variables is exit 2, not a crash
@@ -157,6 +161,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         if code == demo.EXIT_NOT_ENDED:
             err(the_demo.not_ended(daemon))
     return code
+
+
+def _bad_job(path: str, exc: ConfigError, *, supervised: bool) -> int:
+    """Every mistake, one line each; then, on a rented box, the failure teardown decision a job
+    that cannot run gets (agent/badjob.py). Exit 2 all the same: a restart cannot fix it."""
+    from . import badjob
+
+    for error in exc.errors:
+        err(str(error))
+    badjob.handle(Path(path).absolute(), exc.errors, supervised=supervised)
+    return EXIT_CONFIG
+
+
+def _set_aside_bad_job_record(env: Env) -> None:
+    """A valid job file meets the record a bad one left (it never ran): out of its way."""
+    from . import badjob
+    from .state import StateStore
+
+    try:
+        moved = badjob.set_aside(StateStore(env.state_dir))
+    except OSError as exc:
+        err(f"cannot move the bad job file's record aside: {exc.strerror or exc}")
+        return
+    if moved is not None:
+        print(f"the job file is valid now: the bad job's record moved to {moved}", file=sys.stderr)
 
 
 def _hub_client_problem(job: Job) -> str | None:
@@ -244,6 +273,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from . import rent
     from .trainargs import installed_train_options
 
     job = _load(args.job)
@@ -251,12 +281,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     sync = job.sync.target if job.sync else "none"
     options = installed_train_options()  # the one _load checked against (cached)
     checked = f"checked against {options.label}" if options.available else "not checked"
+    try:
+        estimate: rent.RentEstimate | None = rent.estimate(job, env, offline=args.offline)
+        missing = None
+    except ImportError as exc:  # an install without the agent's own dependencies (psutil)
+        estimate, missing = None, f"what to rent is not worked out: {exc}"
+    if args.json:
+        doc = {
+            "job": args.job,
+            "ok": True,
+            "train_options_checked": options.label if options.available else None,
+            "rent": estimate.to_dict() if estimate is not None else {"problem": missing},
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
     print(
         f"{args.job}: ok (job {job.job.name!r}, {len(job.train.args)} train options "
         f"{checked}, sync {sync}, teardown {job.teardown.provider}, state dir {env.state_dir})"
     )
     if not options.available:
         print(f"note: [train] keys not checked against LibreYOLO: {options.reason}")
+    print(rent.format_text(estimate) if estimate is not None else f"note: {missing}")
     return EXIT_OK
 
 
@@ -270,8 +315,11 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         args.max_restarts, args.first_backoff, args.max_backoff, args.min_uptime
     )
     job = Path(args.job).absolute()
-    _load(str(job))  # a bad job file is exit 2 here, before anything starts
     _setup_logging(args.verbose)
+    try:
+        _load(str(job))  # a bad job file is exit 2 here, before anything starts
+    except ConfigError as exc:
+        return _bad_job(str(job), exc, supervised=True)
     state_dir = Env.from_environ().state_dir
     argv = supervisor.agent_argv(job, verbose=args.verbose)
     log_path = Path(args.log) if args.log else None
@@ -352,8 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--json", action="store_true", help="print every check as JSON")
     pf.set_defaults(func=cmd_preflight)
 
-    c = sub.add_parser("check", help="validate a job file (every mistake, one per line; exit 2)")
+    c = sub.add_parser(
+        "check",
+        help="validate a job file (every mistake, one per line; exit 2) and say what to rent",
+        description="Validate a job file: every mistake, one per line, exit 2. A valid one gets "
+        "what to rent: the disk (the dataset's archive and unpacked copy, from the Hub's "
+        "listing; the checkpoints the job keeps; the install; plus 30 %%) and which of the "
+        "teardown's variables this environment holds (names only). Needs no torch.",
+    )
     c.add_argument("job", help="job file (TOML)")
+    c.add_argument("--json", action="store_true", help="print the verdict and the estimate as JSON")
+    c.add_argument(
+        "--offline", action="store_true", help="do not ask the Hub for the dataset's size"
+    )
     c.set_defaults(func=cmd_check)
 
     sv = sub.add_parser(
