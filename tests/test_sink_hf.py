@@ -445,3 +445,23 @@ def test_a_connection_dropped_mid_put_is_retried_and_nothing_half_written_is_com
     assert s.stat("weights/last.pt") == RemoteFile(
         "weights/last.pt", ckpt.stat().st_size, sha256_file(ckpt)
     )
+
+
+def test_delete_removes_a_file_and_a_missing_one_is_fine(hub: FakeHub, text: Path) -> None:
+    s = sink(hub)
+    s.prepare()
+    s.upload(text, "agent/.canary")
+    assert hub.file("model", REPO, "agent/.canary") is not None
+    s.delete("agent/.canary")
+    assert hub.file("model", REPO, "agent/.canary") is None
+    assert s.stat("agent/.canary") is None
+    s.delete("agent/.canary")  # already gone: nothing to do, no error
+
+
+def test_delete_with_a_read_token_says_it_needs_write_access(hub: FakeHub, text: Path) -> None:
+    sink(hub).prepare()
+    sink(hub).upload(text, "agent/.canary")
+    with pytest.raises(SinkError) as info:
+        sink(hub, READ).delete("agent/.canary")
+    assert "write access" in str(info.value) and READ not in str(info.value)
+    assert hub.file("model", REPO, "agent/.canary") is not None

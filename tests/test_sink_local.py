@@ -81,3 +81,18 @@ def test_a_source_that_changes_during_the_copy_is_copied_again_hashing(
     final = src.read_bytes()
     assert (tmp_path / "target" / "weights" / "last.pt").read_bytes() == final
     assert got is not None and got.sha256 == hashlib.sha256(final).hexdigest()
+
+
+def test_delete_removes_a_file_and_a_missing_one_is_fine(tmp_path: Path) -> None:
+    root = tmp_path / "target"
+    s = LocalSink(root)
+    s.prepare()
+    src = tmp_path / "canary"
+    src.write_bytes(b"canary\n")
+    s.upload(src, "agent/.canary")
+    assert (root / "agent" / ".canary").is_file()
+    s.delete("agent/.canary")
+    assert not (root / "agent" / ".canary").exists() and s.stat("agent/.canary") is None
+    s.delete("agent/.canary")  # already gone: nothing to do
+    with pytest.raises(SinkError):
+        s.delete("../outside")
