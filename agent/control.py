@@ -198,8 +198,6 @@ class ControlMixin:
             return "a preemption notice"
         if self.breach_message:
             return self.breach_message
-        if flags is not None and flags.shutdown.is_set():
-            return "the agent is exiting"
         return None
 
     async def _request_stop(self) -> dict[str, Any]:
@@ -235,6 +233,12 @@ class ControlMixin:
             raise steering.SteeringError(
                 "nothing to stop: training is over and the final sync runs, then the teardown"
                 + (held or " follows on its own"),
+                status=steering.CONFLICT,
+            )
+        if self.flags.shutdown.is_set():
+            raise steering.SteeringError(
+                "the agent is exiting (state.json keeps the run; the trainer goes on unless "
+                "job.stop_trainer_on_exit): send stop again to the next agent",
                 status=steering.CONFLICT,
             )
         already = self._stopping()

@@ -641,11 +641,10 @@ def _load_train(
 
 def check_train_options(train: TrainSection, options: TrainOptions) -> None:
     """Refuse every ``[train]`` key that the installed LibreYOLO's ``train`` command does not
-    have, naming the closest valid ones, and every value of a type (or out of the bounds) its
-    option does not take (``batch = "big"``: the command would exit 2 after the box was paid
-    for preflight and staging); one :class:`ConfigError`, or :class:`ConfigErrors` for several.
-    Nothing to check (no error) when ``options`` are unknown, e.g. an agent-only install. The
-    agent's own ``stop_grace``/``kill_grace`` never get here."""
+    have, naming the closest valid ones, and every value its option's type refuses (one
+    :class:`ConfigError`, or :class:`ConfigErrors` for several); nothing to check (no error)
+    when ``options`` are unknown, e.g. an agent-only install. The agent's own
+    ``stop_grace``/``kill_grace`` never get here."""
     if not options.available:
         return
     errors = ErrorList()
