@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from .config import Job
 from .jobfile import parse_job
-from .rundir import pid_alive
 from .state import StateStore
 
 if TYPE_CHECKING:
@@ -93,6 +92,8 @@ class Demo:
 
     def not_ended(self, daemon: Daemon) -> str:
         """The line said when the agent exits before the job ended."""
+        from .rundir import pid_alive  # psutil: this module stays importable without it
+
         rec = daemon.state.trainer
         runs = (
             f"its trainer (pid {rec.pid}) keeps running"
