@@ -179,3 +179,47 @@ def test_config_still_exports_what_moved_here() -> None:
     for name in ("ConfigError", "ConfigErrors", "parse_duration", "format_duration"):
         assert getattr(config, name) is getattr(jobvalues, name)
     assert config.repo_id_problem is jobvalues.repo_id_problem
+
+
+# --------------------------------------------------------------------------------------------
+# The one bound on durations
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("366d", "'366d' is 366d, more than 365d, the longest this duration may be"),
+        ("8785h", "'8785h' is 366d1h, more than 365d"),
+        (31_622_400, "31622400 is 366d, more than 365d"),
+        ("99999999999999999999d", "'99999999999999999999d' is more than 365d"),
+        (1e300, "1e+300 is more than 365d"),
+    ],
+)
+def test_no_duration_is_longer_than_a_year(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        jobvalues.parse_duration("limits.max_runtime", value)
+    assert str(info.value).startswith(f"limits.max_runtime: {message}")
+    assert "\n" not in str(info.value)
+
+
+def test_a_year_is_the_longest_and_a_key_may_have_a_tighter_bound() -> None:
+    assert jobvalues.parse_duration("k", "365d") == jobvalues.MAX_DURATION_S
+    assert jobvalues.parse_duration("k", "30d", maximum=jobvalues.MAX_STEERING_S) == 30 * 86400.0
+    with pytest.raises(ConfigError, match="'30d1s' is 30d1s, more than 30d"):
+        jobvalues.parse_duration("k", "30d1s", maximum=jobvalues.MAX_STEERING_S)
+    errors = ErrorList()
+    t = Table("teardown", {"hold_timeout": "31d"}, errors)
+    assert t.duration("hold_timeout", 60.0, maximum=jobvalues.MAX_STEERING_S) == 60.0
+    assert [e.key for e in errors.items] == ["teardown.hold_timeout"]
+
+
+def test_the_guards_variables_have_the_same_bound() -> None:
+    from agent import guardplan
+
+    guardplan.check_environ({guardplan.MARGIN_ENV: "365d"})
+    with pytest.raises(ConfigError) as info:
+        guardplan.check_environ({guardplan.MARGIN_ENV: "99999999999999999999d"})
+    assert str(info.value) == (
+        "LIBREYOLO_AGENT_GUARD_MARGIN: '99999999999999999999d' is more than 365d, the longest "
+        "this duration may be; give a shorter one"
+    )
