@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agent.config import Env
 from agent.state import Phase, Reason, StateStore
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import wait_for
@@ -305,3 +307,31 @@ def test_a_config_error_before_the_first_epoch_is_a_failed_preflight(
         assert state.reason == Reason.TRAINING_FAILED
         assert state.teardown["action"] == "keep"
     assert "bad option" in (state.cause or "")
+
+
+@pytest.mark.training
+@pytest.mark.skipif(
+    shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None,
+    reason="the training stack (libreyolo) is not installed: run ./install.sh",
+)
+def test_the_real_libreyolo_refusing_an_option_at_launch_is_a_failed_preflight(
+    tmp_path: Path,
+) -> None:
+    # `cache` is text to LibreYOLO's types, so `check` lets "sometimes" through; the command
+    # itself refuses it (config_type_error, exit 2) before epoch 1.
+    from agent import demo
+    from agent.daemon import Daemon
+    from tests.support import tiny_job
+
+    data = demo.make_dataset(tmp_path / "ds")
+    teardown = '[teardown]\non_failure = "keep"\non_preflight_failure = "stop"\n'
+    job = tiny_job(tmp_path, data, train='cache = "sometimes"', sections=teardown)
+    daemon = Daemon(job, Env(state_dir=tmp_path / "state"), poll_interval_s=0.2)
+    assert asyncio.run(asyncio.wait_for(daemon.run(), 300)) == 0
+    state = daemon.state
+    assert state.outcome is not None, state.cause
+    assert (state.outcome["kind"], state.outcome["exit_code"]) == ("config", 2)
+    assert state.reason == Reason.PREFLIGHT_FAILED
+    assert state.resumes == []
+    assert state.teardown is not None and state.teardown["action"] == "stop"
+    assert "cache" in (state.cause or "").lower()
