@@ -110,6 +110,35 @@ def test_stop_in_held_releases_the_hold_and_the_teardown_goes_ahead(tmp_path: Pa
     assert daemon.state.teardown is not None and daemon.state.teardown["action"] == "destroy"
 
 
+def test_stop_while_training_under_a_hold_says_the_box_is_then_held(tmp_path: Path) -> None:
+    # The hold was asked for: a stop ends the training, and the answer says the box is held
+    # after it; a second stop in HELD then lets the teardown go.
+    run = Run(tmp_path, make_job(tmp_path), ScriptedLauncher(epoch_s=0.1, pause_at=2))
+    seen: dict[str, Any] = {}
+
+    async def during(run: Run) -> None:
+        await run.paused()
+        status, answer = await post(run, "hold", "2h")
+        assert status == 200, answer
+        seen["stop"] = await post(run, "stop")
+        await wait_for(lambda: run.daemon.state.phase == Phase.HELD, WAIT_S)
+        seen["stop_held"] = await post(run, "stop")
+
+    assert run.go(during) == 0
+    status, answer = seen["stop"]
+    assert status == 200
+    assert answer["message"].startswith(
+        "stop requested: the trainer gets SIGINT, then the final sync runs; the box is then "
+        "HELD until "
+    )
+    assert answer["message"].endswith(" as asked (`release` lets the teardown go ahead)")
+    status, answer = seen["stop_held"]
+    assert status == 200
+    assert answer["message"].startswith("stop: the box was held; the hold is released")
+    assert run.daemon.state.reason == Reason.STOPPED_BY_USER
+    assert history(run.env.state_dir)[-4:] == ["TEARDOWN", "HELD", "TEARDOWN", "DONE"]
+
+
 # ------------------------------------------------------------------------------ a stop under way
 
 
