@@ -15,9 +15,10 @@ broken). Then, as the daemon does for ``preflight_failed``:
   ``on_preflight_failure``, default destroy; checkpoints of this job already on disk keep the
   verified-sync gate: a destroy becomes a stop), the decision recorded in ``state.json``
   (TEARDOWN, reason ``preflight_failed``, cause ``bad job file: ...``) before anything is sent,
-  carried out with :func:`agent.teardown.carry_out`, read back; DONE once confirmed. A teardown
-  the provider does not confirm stays open: retried with backoff (a record that says "sent" is
-  only read back) until confirmed or the process is asked to exit, state TEARDOWN.
+  carried out and read back by :func:`agent.teardown.carry_until_confirmed`, as the daemon
+  does; DONE once confirmed. One the provider does not confirm stays open: retried with backoff
+  (reading back first; a sent destroy is never sent again) until confirmed or the process is
+  asked to exit (state TEARDOWN, the record open: the next start carries on).
 - ``[teardown]`` unreadable (or the TOML itself): the box is KEPT, said loudly in the log, in
   ``state.json`` (phase FAILED, what ``status`` prints when no agent answers) and to the
   webhook when ``[notify]`` could be read.
@@ -55,9 +56,6 @@ log = logging.getLogger("agent.badjob")
 
 #: The history entry that marks a state written for a bad job file.
 MARK = "bad job file"
-#: Pauses between attempts at a teardown the provider did not confirm: first, cap (seconds).
-RETRY_FIRST_S = 10.0
-RETRY_MAX_S = 600.0
 #: Seconds the last notices may take before the box may be gone.
 NOTIFY_FLUSH_S = 10.0
 
@@ -147,16 +145,14 @@ def is_bad_job_record(state: RunState | None) -> bool:
 
 def _judged_before(previous: RunState | None, sha256: str | None) -> bool:
     """``previous`` tore the box down (confirmed) for a job file with this very content."""
-    if previous is None or sha256 is None or previous.phase != Phase.DONE:
+    if previous is None or sha256 is None or not previous.phase.terminal:
         return False
     td = previous.teardown or {}
     marks = [h for h in previous.history if h.get("event") == MARK]
-    return (
-        bool(marks)
-        and marks[-1].get("sha256") == sha256
-        and td.get("action") in ("stop", "destroy")
-        and bool(td.get("confirmed"))
-    )
+    if not marks or marks[-1].get("sha256") != sha256:
+        return False
+    torn_down = td.get("action") in ("stop", "destroy") and bool(td.get("confirmed"))
+    return torn_down or bool(marks[-1].get("judged_before"))
 
 
 def set_aside(store: StateStore) -> Path | None:
@@ -222,7 +218,10 @@ def handle(path: Path, errors: Sequence[ConfigError], *, supervised: bool) -> No
             log.error(  # one line here (each mistake is printed above), all in agent.log
                 "the job file %s cannot run: %s", path, " | ".join(str(e) for e in errors)
             )
-            asyncio.run(_Handler(path, errors, salvaged, env, store).run())
+            try:
+                asyncio.run(_Handler(path, errors, salvaged, env, store).run())
+            except ConfigError as exc:  # LIBREYOLO_AGENT_TEARDOWN_TIMING: a typo
+                log.error("nothing torn down, the box is KEPT and keeps billing: %s", exc)
     finally:
         os.close(lock)
 
@@ -313,6 +312,7 @@ class _Handler:
             # (a stopped box does not start by itself): tearing it down again would leave
             # no time to mend the file.
             assert previous is not None
+            mark["judged_before"] = True  # and so on at every later start with this file
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(previous.updated_at))
             return self._keep(
                 state,
@@ -321,9 +321,7 @@ class _Handler:
                 "file and start the agent again, or stop the box by hand",
                 "the same bad job file, judged before",
             )
-        from .providers import make_provider
-
-        provider = make_provider(cfg, self.env)
+        provider = teardown.make_teardown_provider(cfg, self.env)
         job = self.salvaged.job
         to_save = True if job is None else teardown.anything_to_save(state, None, job)
         decision = teardown.decide(
@@ -368,46 +366,37 @@ class _Handler:
         if provider is None:
             if cfg is None:
                 return self._keep(state, *self._unreadable())
-            from .providers import make_provider
-
-            provider = make_provider(cfg, self.env)
+            provider = teardown.make_teardown_provider(cfg, self.env)
         if self.notifier is not None:
             await self.notifier.flush(NOTIFY_FLUSH_S)  # the last word leaves before the box
-        delay, attempt = RETRY_FIRST_S, 0
-        while True:
-            attempt += 1
-            result = await teardown.carry_out(
-                provider,
-                record,
-                Reason.PREFLIGHT_FAILED,
-                resumed=resumed,
-                save=lambda: self.store.save(state),
-            )
-            record.update(result.to_dict())
-            if result.confirmed or result.action == "keep" or attempt & (attempt - 1) == 0:
-                self.events.publish("teardown_confirmed", **result.to_dict())  # 1, 2, 4, 8...
-            if result.confirmed or result.action == "keep":
-                record["open"] = False
-                record.pop("next_attempt_at", None)
-                break
-            resumed = True  # the next attempt reads back first; a sent destroy is never resent
-            if provider.name == "command":
-                record.pop("sent_at", None)  # nothing to read back: the command runs again
-            record.update(open=True, attempts=attempt, next_attempt_at=time.time() + delay)
-            log.error(
-                "teardown %s NOT confirmed (%s): the box may still bill; trying again in %.0f s",
-                result.action,
-                result.detail,
-                delay,
-            )
-            state.cause = f"{self.cause}; teardown NOT confirmed: the box may still bill"
+        opened = 0
+
+        def on_open(result: Any) -> None:
+            nonlocal opened
+            opened += 1
+            state.cause = f"{self.cause}; teardown {teardown.open_words(record)}"
             self.store.save(state)
+            if opened & (opened - 1) == 0:  # notices 1, 2, 4, 8...: bounded, not a storm
+                self.events.publish("teardown_confirmed", **result.to_dict())
+
+        async def wait(seconds: float) -> bool:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), delay)
-            if self.stop.is_set():
-                log.error("asked to exit with the teardown NOT confirmed: state stays TEARDOWN")
-                return None
-            delay = min(RETRY_MAX_S, delay * 2)
+                await asyncio.wait_for(self.stop.wait(), seconds)
+            return not self.stop.is_set()
+
+        result = await teardown.carry_until_confirmed(
+            provider,
+            record,
+            Reason.PREFLIGHT_FAILED,
+            resumed=resumed,
+            save=lambda: self.store.save(state),
+            wait=wait,
+            on_open=on_open,
+        )
+        if not result.confirmed:
+            log.error("asked to exit with the teardown NOT confirmed: state stays TEARDOWN")
+            return None
+        self.events.publish("teardown_confirmed", **result.to_dict())
         record["finished_at"] = time.time()
         state.cause = self.cause
         transition(state, Phase.DONE)  # TEARDOWN -> DONE
@@ -432,8 +421,8 @@ class _Handler:
             "provider": self.salvaged.teardown.provider if self.salvaged.teardown else None,
             "action": "keep",
             "why": why,
-            "performed": False,
-            "confirmed": False,
+            # No "confirmed": a box kept for want of a readable [teardown] is an open teardown
+            # (agent/teardown.py is_open), so `status` exits 3 until a person acts.
             "detail": f"KEPT (still billing): {short}",
             "started_at": time.time(),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,12 +58,15 @@ data = "data.yaml"
     return job
 
 
-def cli(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(
+    tmp_path: Path, *args: str, timeout: float = 120, **extra: str
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
     env.update(
         LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"),
         CONTAINER_ID="1234",
         CONTAINER_API_KEY=KEY,
+        **extra,
     )
     env.pop("LIBREYOLO_AGENT_CRASHPOINT", None)
     return subprocess.run(
@@ -162,6 +166,15 @@ def test_run_with_a_provider_takes_the_jobs_on_preflight_failure_action(
     assert state.phase == Phase.FAILED and state.teardown is not None
     assert state.teardown["action"] == "keep"
     assert "judged bad" in (state.cause or "") and "KEPT" in (state.cause or "")
+    third = cli(tmp_path, "run", str(job))  # and at every later start with this very file
+    assert third.returncode == 2 and len(vast.mutations()) == 1
+    assert state_of(tmp_path).teardown["action"] == "keep"  # type: ignore[index]
+
+    # A mended file that is still bad is judged afresh: the box is stopped again.
+    job.write_text(job.read_text().replace("epochs = 0", "epochs = -1"))
+    fourth = cli(tmp_path, "run", str(job))
+    assert fourth.returncode == 2
+    assert [m for m, _, _ in vast.mutations()] == ["PUT", "PUT"]
 
 
 def test_an_unreadable_teardown_keeps_the_box_and_says_so_everywhere(
@@ -186,6 +199,7 @@ def test_an_unreadable_teardown_keeps_the_box_and_says_so_everywhere(
     assert "KEPT" in (tmp_path / "state" / "agent.log").read_text()
     shown = status_text(tmp_path)
     assert "KEPT" in shown.stdout, shown.stdout + shown.stderr
+    assert shown.returncode == 3  # status's "the box may still bill"
     wait_for_kinds(receiver, "teardown", "failure")
     texts = [b["text"] for b in receiver.received]
     assert any("KEPT" in t for t in texts), texts
@@ -270,7 +284,8 @@ def test_a_teardown_the_provider_refuses_once_stays_open_and_is_tried_again(
     job = write_job(
         tmp_path, train="epochs = 0", teardown=f'provider = "vast"\napi_url = "{vast.url}"'
     )
-    got = cli(tmp_path, "supervise", str(job))
+    # The open teardown's pauses shrunk (the agent's own variable for it: agent/teardown.py).
+    got = cli(tmp_path, "supervise", str(job), LIBREYOLO_AGENT_TEARDOWN_TIMING="open_first_s=0.5")
     assert got.returncode == 2, got.stderr[-3000:]
     assert "NOT confirmed" in got.stderr
     deletes = [c for c in vast.requests if c.method == "DELETE"]
@@ -281,3 +296,64 @@ def test_a_teardown_the_provider_refuses_once_stays_open_and_is_tried_again(
     td = state.teardown
     assert td is not None and td["confirmed"] is True and td["attempts"] == 1
     assert td["open"] is False
+
+
+def test_an_open_teardown_left_by_a_stopped_process_is_carried_on_by_the_next_start(
+    tmp_path: Path, vast: FakeVast
+) -> None:
+    vast.fail("destroy", 503, times=None)  # the API is down for as long as it takes
+    job = write_job(
+        tmp_path, train="epochs = 0", teardown=f'provider = "vast"\napi_url = "{vast.url}"'
+    )
+    timing = "retry_s=1,backoff_first_s=0.1,open_first_s=60"
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
+    env.update(
+        LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"),
+        CONTAINER_ID="1234",
+        CONTAINER_API_KEY=KEY,
+        LIBREYOLO_AGENT_TEARDOWN_TIMING=timing,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "supervise", str(job)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        store = StateStore(tmp_path / "state")
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            try:
+                state = store.load()
+            except ValueError:
+                state = None
+            if state is not None and (state.teardown or {}).get("open"):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the teardown never went open")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    state = state_of(tmp_path)
+    assert state.phase == Phase.TEARDOWN and state.teardown is not None
+    assert state.teardown["open"] is True and state.teardown["confirmed"] is False
+    assert "NOT confirmed" in (state.cause or "")
+    assert vast.instance("1234") is not None
+    shown = status_text(tmp_path)
+    assert shown.returncode == 3 and "NOT confirmed" in shown.stderr, shown.stderr
+
+    vast.clear_faults()  # the API is back: the next start (bootstrap at boot) carries on
+    again = cli(tmp_path, "supervise", str(job), LIBREYOLO_AGENT_TEARDOWN_TIMING=timing)
+    assert again.returncode == 2, again.stderr[-3000:]
+    state = state_of(tmp_path)
+    assert state.phase == Phase.DONE and state.teardown is not None
+    assert state.teardown["confirmed"] is True
+    assert vast.instance("1234") is None
+    assert [c.status for c in vast.requests if c.method == "DELETE"][-1] == 200
