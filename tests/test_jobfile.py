@@ -1006,6 +1006,8 @@ def run_check(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         "PATH": "/usr/bin:/bin",
         "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
         "HOME": str(tmp_path),
+        # check asks the Hub for a [dataset]'s size (agent/rent.py): test traffic stays local.
+        "HF_ENDPOINT": "http://127.0.0.1:9",
     }
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", "check", str(path)],

@@ -51,7 +51,12 @@ def test_every_provider_has_a_job_file() -> None:
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
 def test_job_file_passes_check(job: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"))
+    # check asks the Hub for the dataset's size (agent/rent.py): test traffic stays local.
+    env = dict(
+        os.environ,
+        LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"),
+        HF_ENDPOINT="http://127.0.0.1:9",
+    )
     out = subprocess.run(
         [sys.executable, "-m", "agent.cli", "check", str(job)],
         cwd=ROOT,
@@ -295,7 +300,11 @@ sys.exit(max(codes))
 
 
 def test_check_works_without_torch_or_libreyolo(tmp_path: Path) -> None:
-    env = dict(os.environ, LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"))
+    env = dict(
+        os.environ,
+        LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"),
+        HF_ENDPOINT="http://127.0.0.1:9",  # check asks the Hub for the dataset's size
+    )
     out = subprocess.run(
         [sys.executable, "-c", BLOCK_TRAINING_STACK, *map(str, JOBS)],
         cwd=ROOT,
