@@ -15,27 +15,35 @@ state directory:
 - ``guard.log``: the guard's log (stdout and stderr).
 
 The guard acts when **both** hold: the heartbeat is stale past ``stale_after_s``, **and** the
-hard deadline has passed. A job without ``limits.max_runtime`` has no deadline: the guard then
-acts only once the agent has been silent for ``no_deadline_stale_s`` (6 h): long enough for a
-person to notice and restart the agent, short enough that a dead agent costs at most that.
-Before the deadline a dead agent is left alone: the trainer goes on (it outlives the agent) and
-systemd or a person may restart the agent, which then carries on and beats again.
+hard deadline has passed - in every phase, HELD included (:mod:`agent.guarddecide`). A job
+without ``limits.max_runtime`` has no deadline: the guard then acts only once the agent has been
+silent for ``no_deadline_stale_s`` (6 h). Before the deadline a dead agent is left alone: the
+trainer goes on and systemd or a person may restart the agent. Two more reasons to act on a dead
+agent: a HELD run whose hold ended (released, or its own ``until`` passed), and a teardown the
+agent decided and the provider never confirmed (state.json's record is open).
 
 Acting means: take the agent's lock (``agent.lock``; a restarted agent then waits for the guard,
-exits 1 and is restarted into the guard's verdict), record the decision durably, then tear down
-through :func:`agent.providers.make_provider`: **stop, never destroy**, unless ``sync-result.json``
-says ``sync_verified: true`` (written during this job) and the job's policy for the case is
-``destroy`` (``on_success`` when the trainer had completed, else ``on_failure``). A provider that
-cannot stop (``provider.can_stop`` false: Lambda, a command without ``stop_command``) keeps the
-box, and the guard says so loudly: it never destroys checkpoints not verified off the box. The
-result goes into ``guard.json`` and into state.json's teardown record, the phase becomes ``DONE``
-with reason ``agent_failed``; then the guard exits. A failed teardown is tried again every
-``check_every_s`` (reading back first).
+exits 1 and is restarted into the guard's verdict), record the decision durably, then, within a
+bounded time, **save what it can** (:mod:`agent.guardsave`, imported only now): stop the trainer
+(pid and create time checked; SIGINT, then SIGTERM and SIGKILL to its tree) and upload the newest
+``last.pt`` to the job's ``[sync]`` target with the agent's sink code, read back; what it could
+not save goes into the record, the log and a notice. Then tear down through the provider: **stop,
+never destroy**, unless ``sync-result.json`` says ``sync_verified: true`` (written during this
+job) and the job's policy for the case is ``destroy``. A provider that cannot stop (Lambda, a
+command without ``stop_command``) keeps the box, and the guard says so loudly (preflight warns of
+it beforehand: agent/preflight/guardplan_check.py). The result goes into ``guard.json`` and into
+state.json's teardown record; the phase becomes ``DONE`` (reason ``agent_failed``) only once the
+provider confirmed it, and the guard exits. Until then it tries again every ``check_every_s``
+(reading back first), and keeps watching. The job's ``[notify]`` webhook gets the notices the
+agent would send (decision, what was not saved, confirmed or NOT confirmed - repeated at most every
+30 min -, failure). The log's ``guard: timing:`` lines give, for the newest ``last.pt`` verified
+and for the provider call, the time and how long after the hard deadline it came
+(bench/guard_timing.py reads them).
 
-Edge cases: the phase ``DONE`` or ``FAILED`` -> the guard exits without acting; ``HELD`` (a person
-holds the teardown) -> the guard never acts; a process holds ``agent.lock`` but does not beat (a
-hung agent) -> the guard checks once more one interval later, then acts without writing
-state.json (the hung agent owns it). SIGTERM or SIGINT end the guard after its current step.
+Edge cases: the phase ``DONE`` (its teardown confirmed) or ``FAILED`` -> the guard exits without
+acting; a process holds ``agent.lock`` but does not beat (a hung agent) -> the guard checks once
+more one interval later, then acts without writing state.json (the hung agent owns it). SIGTERM or
+SIGINT end the guard after its current step.
 """
 
 from __future__ import annotations
@@ -50,15 +58,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 from . import logutil
 from .config import TeardownAction, TeardownSection, as_action, format_duration
+from .guarddecide import Due, DueKind, choose_action, due, sync_verified, when
 from .guardplan import (
     DEFAULT_MARGIN_S,
     DEFAULT_STALE_AFTER_S,
@@ -80,7 +88,8 @@ from .guardplan import (
     read_plan,
     write_plan,
 )
-from .providers import Provider, ProviderError, TeardownResult, make_provider
+from .providers import Provider, ProviderError, TeardownResult
+from .restart import reopen_unconfirmed
 from .state import (
     Phase,
     Reason,
@@ -91,7 +100,7 @@ from .state import (
     lock_with_pid,
     transition,
 )
-from .teardown import carry_out
+from .teardown import NOT_CONFIRMED, carry_out, is_open, make_teardown_provider
 
 # The agent's side stays importable from here: ``guard.write_plan(...)`` in agent/daemon.py.
 __all__ = [
@@ -135,8 +144,8 @@ SYNC_RESULT_FILE = "sync-result.json"
 #: concludes another guard holds it (:func:`guard_pid` takes the lock for a moment to probe).
 _LOCK_TRIES = 10
 
-#: Where the guard stands at one look: alive agent, dead agent before the deadline, due.
-DueKind = Literal["alive", "before_deadline", "no_deadline_wait", "due"]
+#: An open teardown's notice is sent again at most this often, seconds (as the agent's).
+REPEAT_OPEN_S = 1800.0
 _PAST: dict[TeardownAction, str] = {"stop": "stopped", "destroy": "destroyed", "keep": "kept"}
 
 
@@ -146,77 +155,6 @@ class GuardRunning(Exception):
     def __init__(self, holder: str) -> None:
         super().__init__(holder)
         self.holder = holder
-
-
-# ------------------------------------------------------------------------------ the decision
-
-
-@dataclass(frozen=True)
-class Due:
-    """Whether the guard acts now, and why (one line for the log and the records)."""
-
-    kind: DueKind
-    why: str
-
-    @property
-    def act(self) -> bool:
-        return self.kind == "due"
-
-
-def _when(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
-
-
-def due(plan: GuardPlan, *, now: float, alive_at: float) -> Due:
-    """Act only when the agent has been silent past ``stale_after_s`` AND the hard deadline
-    has passed (without one: silent past ``no_deadline_stale_s``)."""
-    silent = max(0.0, now - alive_at)
-    if silent < plan.stale_after_s:
-        return Due("alive", f"agent alive (heartbeat {format_duration(silent)} ago)")
-    if plan.hard_deadline is None:
-        if silent < plan.no_deadline_stale_s:
-            return Due(
-                "no_deadline_wait",
-                f"agent silent since {_when(alive_at)}; without limits.max_runtime the guard "
-                f"acts after {format_duration(plan.no_deadline_stale_s)} of silence",
-            )
-        return Due(
-            "due",
-            f"agent dead since {_when(alive_at)}, silent for {format_duration(silent)} "
-            "(no limits.max_runtime)",
-        )
-    if now < plan.hard_deadline:
-        return Due(
-            "before_deadline",
-            f"agent silent since {_when(alive_at)}; the hard deadline {_when(plan.hard_deadline)} "
-            f"is in {format_duration(plan.hard_deadline - now)}",
-        )
-    return Due(
-        "due",
-        f"agent dead since {_when(alive_at)}, past the hard deadline {_when(plan.hard_deadline)}",
-    )
-
-
-def sync_verified(result: Mapping[str, Any] | None, *, since: float) -> bool:
-    """``sync-result.json`` says verified, and was written during this job (not a leftover)."""
-    if not result or result.get("sync_verified") is not True:
-        return False
-    at = result.get("at")
-    return isinstance(at, int | float) and not isinstance(at, bool) and at >= since
-
-
-def choose_action(
-    plan: GuardPlan, *, reason: Reason | None, sync_result: Mapping[str, Any] | None
-) -> tuple[TeardownAction, str]:
-    """Stop, never destroy, unless the sync is verified and the job's policy for the case
-    (``on_success`` after a completed training, else ``on_failure``) is destroy."""
-    case = "on_success" if reason == Reason.COMPLETED else "on_failure"
-    policy = plan.teardown.get(case)
-    if policy == "destroy" and sync_verified(sync_result, since=plan.started_at):
-        return "destroy", f"the sync is verified and teardown.{case} = destroy"
-    if policy == "destroy":
-        return "stop", f"teardown.{case} = destroy, but the sync is not verified: the guard stops"
-    return "stop", f"the guard stops the box of a dead agent (teardown.{case} = {policy})"
 
 
 # --------------------------------------------------------------------------------- the guard
@@ -231,7 +169,7 @@ class Guard:
         state_dir: Path,
         *,
         clock: Callable[[], float] = time.time,
-        provider_factory: Callable[[TeardownSection], Provider] = make_provider,
+        provider_factory: Callable[[TeardownSection], Provider] = make_teardown_provider,
         stop: threading.Event | None = None,
         lock_fd: int | None = None,
     ) -> None:
@@ -276,7 +214,7 @@ class Guard:
             log.info("guard: no %s in %s: nothing to guard; exiting", PLAN_FILE, self.state_dir)
             return True
         if self._plan is None or plan.written_at != self._plan.written_at:
-            deadline = _when(plan.hard_deadline) if plan.hard_deadline else "none"
+            deadline = when(plan.hard_deadline) if plan.hard_deadline else "none"
             log.info(
                 "guard: plan for job %r: hard deadline %s, agent dead after %s of silence, "
                 "provider %s",
@@ -287,9 +225,10 @@ class Guard:
             )
         self._plan = plan
         state, _ = self._read_state()
-        if state is not None and self._ended_or_held(state):
-            return state.phase.terminal
-        verdict = due(plan, now=self.clock(), alive_at=last_sign_of_life(self.state_dir, plan))
+        if state is not None and self._ended(state):
+            return True
+        alive_at = last_sign_of_life(self.state_dir, plan)
+        verdict = due(plan, now=self.clock(), alive_at=alive_at, state=state)
         if not verdict.act:
             self._held_by_silent = None
             self._say(verdict.kind, f"guard: waiting: {verdict.why}")
@@ -323,8 +262,8 @@ class Guard:
         try:
             # Read again under the lock: an agent may have ended the job meanwhile.
             state, _ = self._read_state()
-            if agent_lock is not None and state is not None and self._ended_or_held(state):
-                return state.phase.terminal
+            if agent_lock is not None and state is not None and self._ended(state):
+                return True
             return asyncio.run(self._teardown(plan, verdict, state, owned=agent_lock is not None))
         finally:
             if agent_lock is not None:
@@ -354,7 +293,26 @@ class Guard:
         # Irreversible steps are recorded as started, durably, before anything is sent.
         save()
         log.warning("guard: %s: %s through provider %s", verdict.why, action, provider.name)
+        job, job_problem = self._job(plan)
+        notices: list[tuple[str, dict[str, Any]]] = []
+        if "rescue" not in record:
+            # Before the box goes: stop the trainer, get the newest last.pt off it (bounded).
+            notices.append(
+                (
+                    "teardown",
+                    {
+                        "action": action,
+                        "why": f"guard: {record.get('why')}",
+                        "provider": provider.name,
+                    },
+                )
+            )
+            record["rescue"] = await self._rescue(plan, state, job, job_problem)
+            save()
+            if record["rescue"].get("unsaved"):
+                notices.append(("warning", {"message": f"guard: {record['rescue']['words']}"}))
         if result is None:
+            self._timing(plan, "provider call", f"{action} through {provider.name}")
             try:
                 result = await carry_out(
                     provider, record, Reason.AGENT_FAILED, resumed=resumed, save=save
@@ -368,17 +326,31 @@ class Guard:
                     format_duration(plan.check_every_s),
                 )
                 save()
+                await self._notify(job, notices)
                 return False
         record.update(result.to_dict())
         if not result.confirmed:
             log.error(
-                "guard: %s not confirmed (%s); reading back in %s",
+                "guard: %s %s (%s); reading back in %s",
                 action,
+                NOT_CONFIRMED,
                 result.detail,
                 format_duration(plan.check_every_s),
             )
+            record["open"] = True
+            said = record.get("notified_open_at")
+            if not isinstance(said, int | float) or self.clock() - said >= REPEAT_OPEN_S:
+                record["notified_open_at"] = self.clock()
+                notices.append(
+                    (
+                        "teardown_confirmed",
+                        {**result.to_dict(), "open": True, "attempts": self.attempts},
+                    )
+                )
             save()
+            await self._notify(job, notices)
             return False
+        record["open"] = False
         record["finished_at"] = self.clock()
         if state is not None and owned:
             if action == "keep":
@@ -393,7 +365,59 @@ class Guard:
             transition(state, Phase.DONE, note="guard")  # TEARDOWN -> DONE
         save()
         log.warning("guard: %s confirmed: %s", action, result.detail)
+        notices.append(("teardown_confirmed", result.to_dict()))
+        cause = state.cause if state is not None and owned else verdict.why
+        notices.append(("failure", {"reason": Reason.AGENT_FAILED.value, "cause": cause}))
+        await self._notify(job, notices)
         return True
+
+    # ---------------------------------------------------------------- saving, notices
+
+    def _job(self, plan: GuardPlan) -> tuple[Any, str | None]:
+        """The job re-read from its file (agent/guardsave.py, imported only now)."""
+        from .guardsave import read_job
+
+        job, problem = read_job(plan.job_file)
+        if problem:
+            log.error("guard: %s: nothing can be saved or notified", problem)
+        return job, problem
+
+    async def _rescue(
+        self, plan: GuardPlan, state: RunState | None, job: Any, job_problem: str | None
+    ) -> dict[str, Any]:
+        from .config import Env
+        from .guardsave import rescue, rescue_words, save_timeout_s
+
+        report = await rescue(
+            state,
+            job,
+            job_problem,
+            Env.from_environ(),
+            self.state_dir,
+            timeout_s=save_timeout_s(),
+            clock=self.clock,
+        )
+        report["words"] = rescue_words(report)
+        if report.get("last_pt", {}).get("saved"):
+            self._timing(plan, "newest last.pt verified", str(report["last_pt"].get("path")))
+        (log.error if report["unsaved"] else log.warning)("guard: saved: %s", report["words"])
+        return report
+
+    def _timing(self, plan: GuardPlan, what: str, detail: str) -> None:
+        """One line a script can measure from: the time of ``what`` and how long after the hard
+        deadline it came (``guard: timing: EVENT at EPOCH (+S s after the hard deadline)``)."""
+        now = self.clock()
+        after = f"{now - plan.hard_deadline:+.1f}s" if plan.hard_deadline else "no deadline"
+        log.warning(
+            "guard: timing: %s at %.3f (%s after the hard deadline): %s", what, now, after, detail
+        )
+
+    async def _notify(self, job: Any, notices: list[tuple[str, dict[str, Any]]]) -> None:
+        if notices and job is not None and job.notify is not None:
+            from .config import Env
+            from .guardsave import notify
+
+            await notify(job, Env.from_environ(), notices)
 
     async def _decide(
         self, plan: GuardPlan, state: RunState | None, provider: Provider
@@ -462,19 +486,21 @@ class Guard:
 
     # ---------------------------------------------------------------- files
 
-    def _ended_or_held(self, state: RunState) -> bool:
-        if state.phase.terminal:
+    def _ended(self, state: RunState) -> bool:
+        """The job ended: DONE (its teardown confirmed, or keep) or FAILED. A DONE whose
+        teardown was never confirmed (an older agent's) is not an end: the guard watches on."""
+        if state.phase.terminal and not is_open(state.teardown):
             reason = state.reason.value if state.reason else None
             log.info("guard: job ended (%s, reason %s); exiting", state.phase.value, reason)
-            return True
-        if state.phase == Phase.HELD:
-            self._say("held", "guard: teardown held by a person (HELD): the guard does not act")
             return True
         return False
 
     def _read_state(self) -> tuple[RunState | None, str | None]:
         try:
-            return self.store.load(), None
+            state = self.store.load()
+            if state is not None:
+                reopen_unconfirmed(state, self.clock())  # an older agent's unconfirmed DONE
+            return state, None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             why = f"state.json unreadable ({type(exc).__name__}: {exc})"
             self._say("state", f"guard: {why}; it is left as it is")

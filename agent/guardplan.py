@@ -91,6 +91,10 @@ class GuardPlan:
     teardown: dict[str, Any]
     #: When the agent wrote the plan: a sign of life too.
     written_at: float
+    #: The job file (absolute), which the guard reads again when it acts: the ``[sync]`` target
+    #: it saves ``last.pt`` to, the trainer's graces, the ``[notify]`` webhook (a secret: it
+    #: stays in the job file, never in this plan). None when the job came from no file.
+    job_file: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +120,7 @@ class GuardPlan:
             heartbeat_every_s=_number(d, "heartbeat_every_s"),
             teardown=dict(teardown),
             written_at=_number(d, "written_at"),
+            job_file=d["job_file"] if isinstance(d.get("job_file"), str) else None,
         )
 
     def teardown_section(self) -> TeardownSection:
@@ -198,9 +203,17 @@ def write_plan(
         heartbeat_every_s=every_s,
         teardown=_plain(asdict(job.teardown)),
         written_at=time.time() if now is None else now,
+        job_file=_job_file(job.source),
     )
     atomic_write_json(state_dir / PLAN_FILE, plan.to_dict())
     return plan
+
+
+def _job_file(source: str) -> str | None:
+    """The job file's absolute path (the guard works from ``/``), or None for a job that came
+    from no file."""
+    path = Path(source)
+    return str(path.absolute()) if path.is_file() else None
 
 
 def read_plan(state_dir: Path) -> GuardPlan | None:

@@ -215,7 +215,7 @@ def test_destroy_only_with_a_sync_verified_in_this_job_and_a_destroy_policy(
     at_offset: float,
     expected: str,
 ) -> None:
-    plan = make_plan(state_dir, **policy)
+    plan = make_plan(state_dir, **policy)  # type: ignore[arg-type]
     stale_heartbeat(state_dir)
     verified_sync(state_dir, plan.started_at + at_offset)
     save_state(state_dir, Phase.FINISHING, reason=reason)
@@ -265,14 +265,17 @@ def test_a_second_guard_on_the_same_state_dir_exits_at_once(
     assert not (state_dir / RECORD_FILE).exists()
 
 
-def test_a_held_teardown_is_never_touched_and_sigterm_ends_the_guard(
+def test_a_hold_still_running_before_the_deadline_is_never_touched_and_sigterm_ends_the_guard(
     state_dir: Path, guards: list[int]
 ) -> None:
-    make_plan(state_dir, deadline_in=-60)
+    # The guard acts in HELD too (tests/test_guard_save.py), but only at the hold's own end
+    # or the hard deadline: before both, a person's hold is left alone.
+    make_plan(state_dir, deadline_in=3600)
     stale_heartbeat(state_dir)
-    save_state(state_dir, Phase.HELD, reason=Reason.COMPLETED)
+    hold = {"at": time.time(), "until": time.time() + 3600, "released_at": None}
+    save_state(state_dir, Phase.HELD, reason=Reason.COMPLETED, hold=hold)
     pid = start(state_dir, guards)
-    eventually(lambda: "held by a person" in guard_log(state_dir))
+    eventually(lambda: "HELD by a person until" in guard_log(state_dir))
     time.sleep(1.0)  # ten more looks
     assert running(pid)
     assert not (state_dir / RECORD_FILE).exists()
@@ -461,7 +464,7 @@ def test_a_stop_refused_at_first_is_read_back_then_sent_again(
         assert [m[0] for m in vast.mutations()] == ["PUT", "PUT"]
     rec = record(state_dir)
     assert rec["attempts"] == 2 and rec["teardown"]["confirmed"] is True
-    assert "guard: stop not confirmed" in guard_log(state_dir)
+    assert "guard: stop NOT confirmed: the box may still bill" in guard_log(state_dir)
     state = load_state(state_dir)
     assert state.phase == Phase.DONE
     moves = [h.get("to") for h in state.history]
@@ -618,8 +621,10 @@ max_runtime = "25s"
         agent.send_signal(signal.SIGKILL)  # for good: nothing restarts it
         agent.wait(10)
         killed_at = time.time()
-        eventually(lambda: exited(guard), timeout=60)  # it acts past the deadline, then exits
-        assert leftovers[0].is_running()  # the trainer goes on: the agent alone died
+        # It acts past the deadline: stops the trainer (SIGINT: LibreYOLO's clean stop), then
+        # the box, then exits.
+        eventually(lambda: exited(guard), timeout=150)
+        assert exited(leftovers[0])
 
         state = load_state(state_dir)
         assert state.phase == Phase.DONE and state.reason == Reason.AGENT_FAILED
@@ -631,6 +636,14 @@ max_runtime = "25s"
         assert td["started_at"] >= killed_at  # it acted only once the agent was dead
         assert record(state_dir)["teardown"] == td
         assert "guard: stop confirmed" in guard_log(state_dir)
+        rescue = td["rescue"]
+        assert rescue["trainer"]["stopped"] is True
+        assert rescue["trainer"]["pid"] == leftovers[0].pid
+        # No [sync] target: a last.pt cannot leave the box (this loaded machine may not have
+        # reached one yet), and the record says why.
+        last = rescue["last_pt"]
+        assert last["saved"] is False and last["why"]
+        assert ("weights/last.pt" in rescue["unsaved"]) == ("path" in last)
     finally:
         if agent.poll() is None:
             agent.kill()
