@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -366,6 +367,9 @@ class _Handler:
         if provider is None:
             if cfg is None:
                 return self._keep(state, *self._unreadable())
+            if record.get("instance_id") and not cfg.instance_id:
+                # The instance the first attempt identified, as the daemon resumes it.
+                cfg = dataclasses.replace(cfg, instance_id=str(record["instance_id"]))
             provider = teardown.make_teardown_provider(cfg, self.env)
         if self.notifier is not None:
             await self.notifier.flush(NOTIFY_FLUSH_S)  # the last word leaves before the box

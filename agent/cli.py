@@ -3,7 +3,8 @@
 Exit codes of ``run``: 0 the job ended as planned (whatever the training outcome), 1 the agent
 failed, 2 the job file is bad (or a demo-only option came with one). ``preflight``: 0 nothing
 failed, 1 something failed, 2 bad job. A bad job file is reported whole: every mistake, one line
-each.
+each; on a rented box (``supervise``, or ``run`` with a provider) the box then gets the failure
+teardown decision before the exit 2 (agent/badjob.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ exit codes:
   0  the job ended as planned (whatever the training outcome)
   1  the agent failed (the cause is printed; details in agent.log in the state directory)
   2  the job file is bad (every mistake is printed, one per line), or an option does not
-     apply to it
+     apply to it; with a [teardown] provider the box first gets the decision of a failed
+     preflight (on_preflight_failure; kept when [teardown] itself cannot be read), recorded
+     in state.json
 
 environment:
   LIBREYOLO_AGENT_STATE_DIR  state directory: state.json, agent.log, the control token, the
