@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from agent.config import Env, Job
 from agent.preflight.cloud import PROVIDER_TIMEOUT_S, provider_check
+from agent.preflight.guardplan_check import guard_plan_check
 from agent.preflight.report import FAIL, PASS, WARN, Check, PreflightReport, make_check
 from agent.sinks import Sink, SinkError
 
@@ -115,6 +116,8 @@ async def essential_checks(daemon: Daemon) -> list[Check]:
             checks.append(found)
     if daemon.sync is not None:
         checks.append(await target_check(daemon.sync.sink))
+    if (kept := guard_plan_check(job)) is not None:  # a box the guard would keep, said now
+        checks.append(kept)
     return checks
 
 
