@@ -5,9 +5,11 @@ Providers bill the disk as allocated, and it cannot shrink: rent what the job wi
 
 - **the dataset**: the archive's size from the Hub's listing (``paths-info``: the file
   ``[dataset] file`` names, the one staging downloads), kept in ``HF_HOME``'s cache, and its
-  unpacked copy in ``dataset.dest``. The unpacked size is an *estimate* from a factor
+  unpacked copy in ``dataset.dest``. A ``.zip``'s unpacked size is the sum of its members' sizes,
+  read from its central directory at the end of the file (a few HTTP ``Range`` requests, never
+  the archive). Otherwise it is an *estimate* from a factor
   (:func:`agent.preflight.host.unpack_factor`: x1.0 for a ``.tar``, whose size is its content
-  plus 512-byte headers; x1.2 for a compressed archive, whose images are already compressed):
+  plus 512-byte headers; x1.2 for a compressed tar, whose images are already compressed):
   reading every tar header over HTTP would cost one request per member, so it is not done.
 - **the checkpoints the job keeps**: ``last.pt``, ``best.pt``, one ``epoch_N.pt`` every
   ``save_period`` epochs (LibreYOLO 1.6.0 keeps them all: ``training/trainer.py``; defaults 300
@@ -28,6 +30,7 @@ given all the same. Which teardown variables the environment holds is said by na
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -72,6 +75,10 @@ DEFAULT_SAVE_PERIOD = 10
 #: Seconds the Hub may take to connect, and between bytes.
 HUB_CONNECT_S = 5.0
 HUB_TIMEOUT_S = 10.0
+#: A zip's unpacked size is read from its central directory when that costs at most this many
+#: ``Range`` requests and bytes (a million members take about 80 MB: then the factor is used).
+ZIP_MAX_REQUESTS = 6
+ZIP_DIRECTORY_MAX_BYTES = 32 << 20
 
 #: Per provider: (variable names, any one of which will do; who provides it).
 _TEARDOWN_VARS: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
@@ -220,6 +227,68 @@ def _dataset_bytes(job: Job, env: Env) -> int:
     raise FileNotFoundError(f"the Hub lists no file {ds.file!r} in {ds.repo}@{ds.revision}")
 
 
+class _RangeFile(io.RawIOBase):
+    """A Hub file read through HTTP ``Range`` requests, one per read: what :mod:`zipfile` needs
+    to list a zip from its end (the end record, then the central directory in one read)."""
+
+    def __init__(self, url: str, size: int, headers: dict[str, str]) -> None:
+        self.url, self.size, self.headers = url, size, headers
+        self.pos = 0
+        self.requests = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        from huggingface_hub import get_session, hf_raise_for_status
+
+        want = min(len(buffer), self.size - self.pos)
+        if want <= 0:
+            return 0
+        if want > ZIP_DIRECTORY_MAX_BYTES or self.requests >= ZIP_MAX_REQUESTS:
+            raise OSError("the zip's central directory is too large to read cheaply")
+        headers = dict(self.headers, Range=f"bytes={self.pos}-{self.pos + want - 1}")
+        self.requests += 1
+        response = get_session().get(self.url, headers=headers)
+        hf_raise_for_status(response)
+        data = response.content[:want]
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _zip_unpacked(job: Job, env: Env, size: int) -> int:
+    """The unpacked size of a zip on the Hub, from its central directory (a few ``Range``
+    requests, never the whole archive); raises when it cannot be read cheaply."""
+    import zipfile
+
+    from huggingface_hub import hf_hub_url
+
+    from . import __version__
+
+    assert job.dataset is not None
+    ds = job.dataset
+    url = hf_hub_url(
+        ds.repo, ds.file, repo_type="dataset", revision=ds.revision, endpoint=env.hf_endpoint
+    )
+    headers = {"user-agent": f"libreyolo-agent/{__version__}"}
+    if env.hf_token:
+        headers["authorization"] = f"Bearer {env.hf_token}"
+    with zipfile.ZipFile(_RangeFile(url, size, headers)) as archive:
+        return sum(info.file_size for info in archive.infolist())
+
+
 def _hub_problem(exc: BaseException, env: Env) -> str:
     from . import hub
 
@@ -249,14 +318,17 @@ def estimate(job: Job, env: Env, *, offline: bool = False) -> RentEstimate:
         parts.append(Part("dataset archive", f"HF_HOME ({hf_home})", size, packed_basis))
         factor = unpack_factor(ds.file)
         kind = ".tar: its content plus headers" if factor == 1.0 else "compressed archive"
-        parts.append(
-            Part(
-                "dataset unpacked",
-                f"dataset.dest ({ds.dest})",
-                None if size is None else int(size * factor),
-                f"estimate: archive x{factor:.1f} ({kind})",
-            )
-        )
+        unpacked = None if size is None else int(size * factor)
+        basis = f"estimate: archive x{factor:.1f} ({kind})"
+        if size is not None and ds.file.lower().endswith(".zip"):
+            try:
+                unpacked = _zip_unpacked(job, env, size)
+                basis = (
+                    "the sum of the zip's member sizes (its central directory, read from the Hub)"
+                )
+            except Exception as exc:
+                basis += f"; the zip's directory could not be read ({type(exc).__name__})"
+        parts.append(Part("dataset unpacked", f"dataset.dest ({ds.dest})", unpacked, basis))
     else:
         data = job.train.get("data")
         parts.append(

@@ -237,3 +237,32 @@ def test_an_unknown_model_falls_back_on_the_guess_and_says_so(tmp_path: Path) ->
     assert BYTES_PER_PARAM_ADAM > BYTES_PER_PARAM_SGD
     assert next(p for p in est.parts if p.what == "dataset").bytes is None
     assert est.complete is False
+
+
+def test_a_zips_unpacked_size_is_read_from_its_central_directory(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    import io
+    import random
+    import zipfile
+
+    members = {
+        "images/a.jpg": random.Random(0).randbytes(5000),
+        "labels/a.txt": b"0 0.5 0.5 0.1 0.1\n" * 4000,  # compresses well: unpacked >> packed
+        "data.yaml": b"path: .\n",
+    }
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    hub.add_file("dataset", "org/zipped", "ds.zip", buf.getvalue())
+    hub.clear_requests()
+    job = write_job(tmp_path, dataset='repo = "org/zipped"\nfile = "ds.zip"')
+    got = check(tmp_path, hub.url, str(job), "--json")
+    assert got.returncode == 0, got.stderr
+    by = parts(json.loads(got.stdout))
+    assert by["dataset archive"]["bytes"] == len(buf.getvalue())
+    assert by["dataset unpacked"]["bytes"] == sum(len(d) for d in members.values())
+    assert "central directory" in by["dataset unpacked"]["basis"]
+    reads = [r for r in hub.requests if r.route == "resolve"]
+    assert 1 <= len(reads) <= 6  # the end of the file, not the archive
