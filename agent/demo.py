@@ -6,8 +6,9 @@ GPU, well under a minute of training.
 has not ended (its agent was killed, or exited on SIGTERM or a second Ctrl-C): that run is
 carried on like any job's (re-attached to its trainer when it still runs), never wiped under a
 live trainer. Ctrl-C stops the demo *job* (``libreyolo-agent stop``: the trainer gets SIGINT, the
-final sync runs, exit 0: the job ended); a second Ctrl-C exits the agent at once and leaves the
-trainer running, exit :data:`EXIT_NOT_ENDED`.
+final sync runs, exit 0: the job ended); a second Ctrl-C (or SIGTERM) makes the agent leave before
+the job ended (a trainer it is stopping is stopped first, one it is not goes on), exit
+:data:`EXIT_NOT_ENDED`, and the next ``run`` carries the job on.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Demo:
 def ctrl_c_stops_the_job(daemon: Daemon) -> None:
     """SIGINT to the agent stops the *job* (as ``libreyolo-agent stop``): a person who presses
     Ctrl-C on the demo wants it to stop, trainer included; the run ends and the agent exits 0.
-    A second one is the daemon's own: the agent exits at once, the trainer goes on."""
+    A second one is the daemon's own: the agent leaves before the job ended (once a stop under
+    way has stopped the trainer; else the trainer goes on)."""
     flags = daemon.flags
     if flags is None:
         return
@@ -123,7 +125,8 @@ def ctrl_c_stops_the_job(daemon: Daemon) -> None:
         if not flags.stop_job.is_set() and not flags.shutdown.is_set():
             log.warning(
                 "Ctrl-C: stopping the demo job (the trainer gets SIGINT, then the final sync); "
-                "Ctrl-C again exits at once and leaves the trainer running"
+                "Ctrl-C again makes the agent leave before the job ended, and the next "
+                "'libreyolo-agent run' carries it on"
             )
             flags.stop_job.set()
             return
