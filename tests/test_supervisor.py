@@ -306,7 +306,13 @@ def test_a_bad_option_or_job_file_is_exit_2_before_anything_starts(tmp_path: Pat
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 2, err
         assert "error:" in err and named in err
-    assert not state_dir.exists()
+        if options:
+            assert not state_dir.exists()
+    # No agent was started; the bad job file got the box's failure decision, in state.json
+    # (agent/badjob.py; provider "none" here: a dry run).
+    assert not (state_dir / LOG_FILE).exists()
+    state = json.loads((state_dir / "state.json").read_text())
+    assert state["reason"] == "preflight_failed" and state["cause"].startswith("bad job file")
 
 
 @requires_libreyolo
