@@ -150,6 +150,10 @@ def _upload_and_verify(job: Job, env: Env, local: Path) -> dict[str, Any]:
     from .sinks import make_sink, sha256_file
 
     assert job.sync is not None
+    if job.sync.scheme == "hf":
+        from . import hub
+
+        hub.configure(env)  # the agent's timeouts for the Hub client, as at its own start
     size = local.stat().st_size
     digest = sha256_file(local)
     sink = make_sink(job.sync, env)

@@ -386,3 +386,36 @@ def test_the_guard_keeps_watching_a_done_whose_teardown_was_never_confirmed(
     assert "job ended" not in guard_log(state_dir)
     os.kill(pid, signal.SIGTERM)
     assert wait_exit(pid, timeout=10) == 0
+
+
+def test_the_guard_saves_last_pt_to_an_hf_target_through_the_real_hub_client(
+    tmp_path: Path,
+    state_dir: Path,
+    guards: list[int],
+    trainers: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.fakes.hub import run_fake_hub
+
+    token = "hf_guard_token_0123456789"
+    proc, run_dir = start_trainer(tmp_path, "clean", trainers)
+    with run_fake_hub(tokens={token}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", token)
+        job = write_job(tmp_path, tmp_path / "unused", None)
+        job.write_text(
+            job.read_text().replace(
+                f'target = "file://{tmp_path / "unused"}"', 'target = "hf://org/run1"'
+            )
+        )
+        plan_with_job(state_dir, job)
+        stale_heartbeat(state_dir)
+        created = psutil.Process(proc.pid).create_time()
+        trainer = trainer_record(proc, run_dir, create_time=created)
+        save_state(state_dir, Phase.TRAINING, trainer=trainer)
+        assert wait_exit(start(state_dir, guards), timeout=180) == 0
+        stored = hub.files("model", "org/run1").get("weights/last.pt")
+    assert stored == b"epoch-7-final" * 5000
+    rescue = record(state_dir)["teardown"]["rescue"]
+    assert rescue["last_pt"]["saved"] is True and rescue["last_pt"]["target"] == "hf://org/run1"
+    assert token not in guard_log(state_dir)
