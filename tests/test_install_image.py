@@ -10,7 +10,8 @@ torchvision: were pip ever to want one, the install would fail. It must:
 - install the agent and its dependencies into the venv, whose own packages win over the image's
   (the image holds an old psutil the agent does not accept: pip installs its own, and that one
   is what the venv imports);
-- change nothing when run again, and still see the image's torch.
+- change nothing when run again, and still see the image's torch;
+- never import torch to decide or to check (the stand-in logs every import).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def site_of(python: Path) -> Path:
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     """The image venv, the wheel folder, a fake nvidia-smi, and install.sh run twice."""
     root = tmp_path_factory.mktemp("h200")
-    image_python = image_venv(root / "image")
+    imports = root / "torch-imports.log"
+    image_python = image_venv(root / "image", import_log=imports)
     image_site = site_of(image_python)
     # An old psutil in the image: the agent needs >= 5.9, so pip installs its own in the venv.
     write_dist(image_site, "psutil", "5.0.0", {"psutil/__init__.py": "__version__ = '5.0.0'\n"})
@@ -127,7 +129,9 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
         if proc.returncode != 0:
             break
         snaps.append(snapshot(venv))
+    imported = imports.read_text(encoding="utf-8") if imports.exists() else ""
     yield {
+        "imported": imported,
         "root": root,
         "image_site": image_site,
         "venv": venv,
@@ -172,6 +176,7 @@ def test_the_image_torch_is_kept_and_seen_from_the_new_venv(box: dict[str, objec
         check=True,
     )
     torch_file, cuda, psutil_file = probe.stdout.splitlines()
+    assert (Path(str(box["root"])) / "torch-imports.log").exists()  # the stand-in logs imports
     assert Path(torch_file).parent == Path(str(image_site)) / "torch" and cuda == "13.0"
     # The venv's own packages come first: pip's psutil, not the image's old one.
     assert Path(psutil_file).is_relative_to(venv_site), psutil_file
@@ -179,6 +184,8 @@ def test_the_image_torch_is_kept_and_seen_from_the_new_venv(box: dict[str, objec
         [str(venv / "bin" / "libreyolo-agent"), "--version"], capture_output=True, text=True
     )
     assert version.returncode == 0 and "libreyolo-agent" in version.stdout
+    # Neither the decision nor the closing check imported torch (in either run).
+    assert box["imported"] == "", box["imported"]
     calls = (Path(str(box["root"])) / "smi-calls").read_text().splitlines()
     query = "--query-gpu=driver_version,name,compute_cap --format=csv,noheader"
     assert calls == [query] * len(runs)  # one nvidia-smi call per install.sh run

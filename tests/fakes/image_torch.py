@@ -88,13 +88,21 @@ def write_torch(
     cuda: str | None = "13.0",
     archs: tuple[int, ...] | None = (75, 80, 86, 90, 100, 120),
     torchvision: str | None = "0.26.0+cu130",
+    import_log: Path | None = None,
 ) -> None:
-    """A stand-in torch (and torchvision) in ``site``; ``archs`` None: no libtorch_cuda.so."""
+    """A stand-in torch (and torchvision) in ``site``; ``archs`` None: no libtorch_cuda.so;
+    ``import_log``: each ``import torch`` appends its interpreter's path to that file."""
     cuda_text = repr(cuda)
     arch_names = [f"sm_{sm}" for sm in archs or ()] if cuda else []
+    log = ""
+    if import_log is not None:
+        log = (
+            f"import sys\nwith open({str(import_log)!r}, 'a') as _log:\n"
+            "    _log.write(sys.executable + '\\n')\n"
+        )
     files: dict[str, str | bytes] = {
         "torch/__init__.py": (
-            "from torch import cuda, version\n__version__ = version.__version__\n"
+            log + "from torch import cuda, version\n__version__ = version.__version__\n"
         ),
         # What torch.cuda.get_arch_list() answers (asked by an install.sh that imports torch).
         "torch/cuda.py": f"def get_arch_list():\n    return {arch_names!r}\n",
