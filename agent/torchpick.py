@@ -5,7 +5,7 @@
   from :data:`DRIVER_MAX_CUDA`), keep the image's torch when it runs on that driver and has
   kernels for every card (GPU images ship one: no 2 GB download), else pick the newest PyTorch
   CUDA build the driver runs that has kernels for the cards. Without ``nvidia-smi``: PyTorch's
-  CPU wheels where ``$TORCH_INDEX_BASE/cpu`` answers within :data:`CPU_INDEX_TIMEOUT_S`, else
+  CPU wheels where ``$TORCH_INDEX_BASE/cpu`` answers within 5 s (agent/torchindex.py), else
   the default build (the CUDA one, ~3 GB). Prints the decision and its reason.
 - ``python3 -m agent.torchpick sees --python VENV/bin/python [--expect DIR]``: which torch a
   venv would import (exit 1 with the reason when none, or another one than ``--expect``).
@@ -21,22 +21,19 @@ is installed, in milliseconds rather than the seconds an ``import torch`` takes.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agent import torchmeta
+from agent.torchindex import IndexProbe, probe_cpu_index
 
 #: The torch build for a machine without an NVIDIA GPU (install.sh's default ``TORCH_SPEC``).
 DEFAULT_TORCH_SPEC = "torch==2.14.1 torchvision==0.29.1"
@@ -48,8 +45,6 @@ MIN_TORCH = (2, 4)
 MIN_TORCHVISION = (0, 19)
 #: Seconds ``nvidia-smi`` may take.
 PROBE_TIMEOUT_S = 120.0
-#: Seconds PyTorch's CPU wheel index has to answer on a machine without ``nvidia-smi``.
-CPU_INDEX_TIMEOUT_S = 5.0
 #: What a CPU machine downloads for torch (PyTorch's CPU wheels / the default, CUDA build;
 #: measured: see the README's quick start).
 CPU_BUILD_COST = "about 0.2 GB"
@@ -168,15 +163,6 @@ class ImageTorch:
     packages: tuple[str, ...] = ()
     #: The folders a kept venv's ``.pth`` names (the image's site-packages).
     paths: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class IndexProbe:
-    """Whether PyTorch's CPU wheel index answered with the wanted builds."""
-
-    ok: bool
-    #: What was asked and what came back (an error, the missing build).
-    why: str
 
 
 @dataclass(frozen=True)
@@ -485,31 +471,6 @@ def read_image_torch(python: str) -> ImageTorch:
     return image_torch(torchmeta.read_seen(python))
 
 
-def probe_cpu_index(
-    index_base: str, spec: str = DEFAULT_TORCH_SPEC, timeout: float = CPU_INDEX_TIMEOUT_S
-) -> IndexProbe:
-    """Whether ``index_base/cpu`` lists the ``+cpu`` builds of ``spec`` (its simple index pages
-    for torch and torchvision), within ``timeout`` seconds for both; never raises."""
-    deadline = time.monotonic() + timeout
-    base = f"{index_base.rstrip('/')}/cpu"
-    for name, _, version in (word.partition("==") for word in spec.split()):
-        url = f"{base}/{name}/"
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return IndexProbe(False, f"{url}: no answer within {timeout:g} s")
-        request = urllib.request.Request(url, headers={"Accept": "text/html"})
-        try:
-            with urllib.request.urlopen(request, timeout=left) as response:
-                body = response.read(8 << 20).decode("utf-8", errors="replace").lower()
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timeouts...
-            reason = getattr(exc, "reason", None) or exc
-            return IndexProbe(False, f"{url}: {reason}")
-        wanted = [f"{name}-{version}+cpu", f"{name}-{version}%2bcpu"]
-        if not any(w.lower() in body for w in wanted):
-            return IndexProbe(False, f"{url} lists no {name} {version}+cpu")
-    return IndexProbe(True, f"{base} lists {spec} +cpu")
-
-
 # ------------------------------------------------------------------------------ extras
 
 
@@ -639,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     image = read_image_torch(args.python) if smi is not None and smi.error is None else None
     cpu_index = None
     if smi is None and not args.no_index_probe:
-        cpu_index = probe_cpu_index(index_base)
+        cpu_index = probe_cpu_index(index_base, DEFAULT_TORCH_SPEC)
     decision = decide(
         smi, image, index_base=index_base, allow_keep=not args.no_keep, cpu_index=cpu_index
     )

@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -315,7 +316,7 @@ def test_sees_says_which_torch_a_venv_imports(tmp_path: Path) -> None:
 
 def test_cpu_index_answering_gives_the_cpu_wheels() -> None:
     with cpu_index(CPU_PAGES) as base:
-        probe = torchpick.probe_cpu_index(base)
+        probe = torchpick.probe_cpu_index(base, torchpick.DEFAULT_TORCH_SPEC)
     assert probe.ok, probe.why
     d = decide(None, None, index_base=base, cpu_index=probe)
     assert d.action == "install" and d.pip_args == f"--index-url {base}/cpu"
@@ -327,22 +328,25 @@ def test_cpu_index_without_the_build_falls_back_saying_why() -> None:
     with cpu_index(
         {**CPU_PAGES, "/whl/cpu/torchvision/": simple_page("torchvision", "0.28.0+cpu")}
     ) as base:
-        probe = torchpick.probe_cpu_index(base)
+        probe = torchpick.probe_cpu_index(base, torchpick.DEFAULT_TORCH_SPEC)
     assert not probe.ok and "lists no torchvision 0.29.1+cpu" in probe.why
     d = decide(None, None, index_base=base, cpu_index=probe)
     assert d.action == "default" and d.pip_args == ""
     assert "did not answer" in d.reason and "the CUDA build" in d.reason and "3 GB" in d.reason
 
 
+SPEC = torchpick.DEFAULT_TORCH_SPEC
+
+
 def test_cpu_index_refused_or_silent_never_waits_long() -> None:
-    refused = torchpick.probe_cpu_index(f"http://127.0.0.1:{closed_port()}/whl")
+    refused = torchpick.probe_cpu_index(f"http://127.0.0.1:{closed_port()}/whl", SPEC)
     assert not refused.ok and "refused" in refused.why.lower()
     # A server that accepts the connection and never answers: the timeout ends it.
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
         port = silent.getsockname()[1]
-        probe = torchpick.probe_cpu_index(f"http://127.0.0.1:{port}/whl", timeout=0.5)
+        probe = torchpick.probe_cpu_index(f"http://127.0.0.1:{port}/whl", SPEC, timeout=0.5)
     assert not probe.ok and "timed out" in probe.why
 
 
@@ -413,3 +417,20 @@ def test_nothing_pending_only_for_the_editable_agent_from_here(tmp_path: Path) -
     assert not torchpick.nothing_pending({"install": [agent]}, tmp_path / "elsewhere", [site])
     newer = {"metadata": {"name": "libreyolo-agent", "version": "0.2.0"}}
     assert not torchpick.nothing_pending({"install": [newer]}, project, [site])
+
+
+def test_cpu_index_behind_a_hung_name_lookup_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Socket timeouts do not cover the name lookup; a resolver that never answers (a fault
+    nothing on loopback produces, hence the patch) must not hold the install either."""
+    release = threading.Event()
+
+    def hung(*args: object, **kwargs: object) -> list[object]:
+        release.wait(60)
+        raise OSError("released")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
+    try:
+        probe = torchpick.probe_cpu_index("http://index.invalid/whl", SPEC, timeout=0.3)
+    finally:
+        release.set()
+    assert not probe.ok and "no answer within 0.3 s" in probe.why
