@@ -8,6 +8,7 @@ API on 127.0.0.1 (tests/fakes/providers.py), which records every request it gets
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import pytest
 from agent.config import Env, TeardownSection
 from agent.daemon import Daemon
 from agent.events import Event
+from agent.guardplan import guard_pid
 from agent.state import Phase, Reason, StateStore
 from agent.teardown import decide
 from tests.fakes.providers import FakeVast, run_fake_vast
@@ -130,9 +132,18 @@ def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
                 assert KEY not in path.read_text(errors="replace"), path
 
 
+def end_guard(state_dir: Path) -> None:
+    """End the guard the agent started for ``state_dir`` (it outlives the agent by design)."""
+    with contextlib.suppress(OSError):
+        pid = guard_pid(state_dir)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @requires_libreyolo
 def test_agent_killed_between_sent_and_confirmed_never_sends_a_second_destroy(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, request: pytest.FixtureRequest
 ) -> None:
     with run_fake_vast(keys=set(), instance_keys={KEY: "1234"}) as fake:
         fake.add_instance("1234")
@@ -169,6 +180,7 @@ listen = "127.0.0.1:0"
             CONTAINER_API_KEY=KEY,
         )
         cmd = [sys.executable, "-m", "agent.cli", "run", str(job)]
+        request.addfinalizer(lambda: end_guard(tmp_path / "state"))
         first = subprocess.run(
             cmd,
             env=dict(env, LIBREYOLO_AGENT_CRASHPOINT="teardown-sent"),
