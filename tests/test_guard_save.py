@@ -419,3 +419,50 @@ def test_the_guard_saves_last_pt_to_an_hf_target_through_the_real_hub_client(
     rescue = record(state_dir)["teardown"]["rescue"]
     assert rescue["last_pt"]["saved"] is True and rescue["last_pt"]["target"] == "hf://org/run1"
     assert token not in guard_log(state_dir)
+
+
+def test_the_guard_watches_on_while_its_stop_is_not_confirmed_and_notifies_once(
+    tmp_path: Path,
+    state_dir: Path,
+    guards: list[int],
+    vast_env: None,
+    webhook: tuple[str, list[dict[str, Any]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hook, bodies = webhook
+    monkeypatch.setenv(
+        "LIBREYOLO_AGENT_TEARDOWN_TIMING", "retry_s=0.5,backoff_first_s=0.05,backoff_max_s=0.1"
+    )
+    job = write_job(tmp_path, tmp_path / "synced", hook)
+    with run_fake_vast(keys={VAST_KEY}) as vast:
+        vast.add_instance("1234")
+        vast.down(503)
+        plan_with_job(state_dir, job, provider="vast", api_url=vast.url)
+        stale_heartbeat(state_dir)
+        save_state(state_dir, Phase.TRAINING)
+        pid = start(state_dir, guards)
+
+        def attempts() -> int:
+            try:
+                return int(record(state_dir).get("attempts") or 0)
+            except (OSError, ValueError):
+                return 0
+
+        eventually(lambda: attempts() >= 3, timeout=90)
+        assert running(pid)  # an unconfirmed stop is not the end of its watch
+        assert load_state(state_dir).phase == Phase.TEARDOWN
+        assert record(state_dir)["teardown"]["open"] is True
+        vast.up()
+        assert wait_exit(pid, timeout=90) == 0
+        accepted = [c for c in vast.requests if c.method == "PUT" and c.status == 200]
+        assert len(accepted) == 1
+    assert load_state(state_dir).phase == Phase.DONE
+    kinds = [(b["event"]["kind"], b["event"]["data"].get("open")) for b in bodies]
+    # One "NOT confirmed" notice for all the failed attempts (at most one per 30 min).
+    assert kinds == [
+        ("teardown", None),
+        ("teardown_confirmed", True),
+        ("teardown_confirmed", None),
+        ("failure", None),
+    ], kinds
+    assert "NOT confirmed: the box may still bill" in bodies[1]["text"]

@@ -296,3 +296,10 @@ def test_an_open_teardown_is_notified_at_once_then_at_most_every_repeat_interval
     assert len(texts) == 4  # minutes 0, 30, 60, 90
     assert all(NOT_CONFIRMED in t for t in texts)
     assert "attempt 1" in texts[0] and "attempt 7" in texts[1]
+
+
+def test_the_supervisor_starts_an_agent_that_exited_with_its_teardown_open_again() -> None:
+    from agent.supervisor import Policy
+
+    verdict = Policy().after_exit(EXIT_TEARDOWN_OPEN, uptime_s=600.0, in_a_row=0)
+    assert verdict.restart and verdict.state == "waiting"
