@@ -184,6 +184,7 @@ class Guard:
         self._said: tuple[str, str] | None = None
         #: agent.lock was found held by a silent process once; acting needs a second look.
         self._held_by_silent: str | None = None
+        self._said_reopened = False
 
     # ---------------------------------------------------------------- loop
 
@@ -487,9 +488,10 @@ class Guard:
     # ---------------------------------------------------------------- files
 
     def _ended(self, state: RunState) -> bool:
-        """The job ended: DONE (its teardown confirmed, or keep) or FAILED. A DONE whose
-        teardown was never confirmed (an older agent's) is not an end: the guard watches on."""
-        if state.phase.terminal and not is_open(state.teardown):
+        """The job ended: DONE (its teardown confirmed, or keep) or FAILED (a person must look).
+        A DONE whose teardown was never confirmed (an older agent's) is not an end: the guard
+        watches on (state.json is read as TEARDOWN then: agent/restart.py)."""
+        if state.phase == Phase.FAILED or (state.phase.terminal and not is_open(state.teardown)):
             reason = state.reason.value if state.reason else None
             log.info("guard: job ended (%s, reason %s); exiting", state.phase.value, reason)
             return True
@@ -498,8 +500,10 @@ class Guard:
     def _read_state(self) -> tuple[RunState | None, str | None]:
         try:
             state = self.store.load()
-            if state is not None:
-                reopen_unconfirmed(state, self.clock())  # an older agent's unconfirmed DONE
+            # An older agent's DONE with an unconfirmed teardown is read as TEARDOWN (said once).
+            said = self._said_reopened
+            if state is not None and reopen_unconfirmed(state, self.clock(), say=not said):
+                self._said_reopened = True
             return state, None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             why = f"state.json unreadable ({type(exc).__name__}: {exc})"

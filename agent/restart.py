@@ -38,14 +38,15 @@ def resume_phase(was: Phase, previous: RunState) -> Phase:
     return Phase.PREFLIGHT
 
 
-def reopen_unconfirmed(previous: RunState, now: float) -> bool:
+def reopen_unconfirmed(previous: RunState, now: float, *, say: bool = True) -> bool:
     """A state.json that says DONE with a teardown never confirmed (written by an older agent,
     which called that final) goes back to TEARDOWN: the box may still bill. True when it did."""
     if previous.phase != Phase.DONE or not is_open(previous.teardown):
         return False
-    log.error(
-        "job %s: DONE, but its teardown is %s: reopening it", previous.job_name, NOT_CONFIRMED
-    )
+    if say:
+        log.error(
+            "job %s: DONE, but its teardown is %s: reopening it", previous.job_name, NOT_CONFIRMED
+        )
     previous.phase = Phase.TEARDOWN  # no transition leaves DONE: this repairs an old record
     previous.reason = previous.reason or Reason.AGENT_FAILED
     previous.history.append({"at": now, "event": "teardown reopened: it was never confirmed"})

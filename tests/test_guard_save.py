@@ -466,3 +466,17 @@ def test_the_guard_watches_on_while_its_stop_is_not_confirmed_and_notifies_once(
         ("failure", None),
     ], kinds
     assert "NOT confirmed: the box may still bill" in bodies[1]["text"]
+
+
+def test_a_failed_job_with_a_kept_box_ends_the_guard_without_acting(
+    state_dir: Path, guards: list[int]
+) -> None:
+    # FAILED (a bad job file's record: the box KEPT, a person must look) is an end, open
+    # teardown or not: the guard exits, touching nothing.
+    make_plan(state_dir, deadline_in=-60)
+    stale_heartbeat(state_dir)
+    td = {"provider": None, "action": "keep", "why": "[teardown] cannot be read"}
+    save_state(state_dir, Phase.FAILED, reason=Reason.PREFLIGHT_FAILED, teardown=td)
+    assert wait_exit(start(state_dir, guards), timeout=30) == 0
+    assert "job ended (FAILED" in guard_log(state_dir)
+    assert load_state(state_dir).teardown == td
