@@ -1,8 +1,8 @@
 """Does PyTorch's CPU wheel index answer? Asked by agent/torchpick.py on a machine without
 ``nvidia-smi``: where ``$TORCH_INDEX_BASE/cpu`` lists the wanted ``+cpu`` builds, install.sh
 installs those (about 0.2 GB) instead of the default build, which is the CUDA one (about 3 GB).
-Never longer than :data:`CPU_INDEX_TIMEOUT_S` (and a second): an unreachable index must not
-hang the install. Standard library only.
+Never longer than :data:`CPU_INDEX_TIMEOUT_S`: an unreachable index must not hang the install.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ def probe_cpu_index(index_base: str, spec: str, timeout: float = CPU_INDEX_TIMEO
     """Whether ``index_base/cpu`` lists the ``+cpu`` builds of ``spec`` (its simple index pages
     for torch and torchvision), within ``timeout`` seconds for both; never raises.
 
-    Asked in a daemon thread given ``timeout`` plus a second: socket timeouts do not cover a
-    name lookup, which may wait on an unanswering resolver for much longer.
+    Asked in a daemon thread given ``timeout`` in all: socket timeouts do not cover a name
+    lookup, which may wait on an unanswering resolver for much longer.
     """
     answer: list[IndexProbe] = []
     thread = threading.Thread(
         target=lambda: answer.append(_probe(index_base, spec, timeout)), daemon=True
     )
     thread.start()
-    thread.join(timeout + 1.0)
+    thread.join(timeout)
     if not answer:
         return IndexProbe(False, f"{index_base.rstrip('/')}/cpu: no answer within {timeout:g} s")
     return answer[0]

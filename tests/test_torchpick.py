@@ -347,7 +347,8 @@ def test_cpu_index_refused_or_silent_never_waits_long() -> None:
         silent.listen(4)
         port = silent.getsockname()[1]
         probe = torchpick.probe_cpu_index(f"http://127.0.0.1:{port}/whl", SPEC, timeout=0.5)
-    assert not probe.ok and "timed out" in probe.why
+    assert not probe.ok  # the socket's timeout or the deadline, whichever fires first
+    assert "timed out" in probe.why or "no answer within 0.5 s" in probe.why
 
 
 # ---- extras
