@@ -168,15 +168,20 @@ def _upload_and_verify(job: Job, env: Env, local: Path) -> dict[str, Any]:
 
 def _others_unsaved(run_dir: Path, ledger: dict[str, dict[str, Any]]) -> list[str]:
     """Checkpoints of the run other than last.pt that the target does not hold verified (by the
-    agent's ledger: same size)."""
+    agent's ledger: same size; ``best.pt``, rewritten in place, same sha256 too)."""
+    from .sinks import sha256_file
+
     out = []
     with contextlib.suppress(OSError):
         for path in sorted((run_dir / "weights").glob("*.pt")):
             if path.name == "last.pt":
                 continue
             remote = f"weights/{path.name}"
+            entry = ledger.get(remote)
             with contextlib.suppress(OSError):
-                if not _verified(ledger.get(remote), None, path.stat().st_size):
+                size = path.stat().st_size
+                digest = sha256_file(path) if path.name == "best.pt" and entry else None
+                if not _verified(entry, digest, size):
                     out.append(remote)
     return out
 

@@ -480,3 +480,47 @@ def test_a_failed_job_with_a_kept_box_ends_the_guard_without_acting(
     assert wait_exit(start(state_dir, guards), timeout=30) == 0
     assert "job ended (FAILED" in guard_log(state_dir)
     assert load_state(state_dir).teardown == td
+
+
+def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: Path) -> None:
+    import asyncio
+    import hashlib
+
+    from agent.config import Env
+    from agent.guardsave import rescue
+    from agent.jobfile import parse_job
+    from agent.state import RunState, atomic_write_json
+
+    weights = tmp_path / "runs" / "run1" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "last.pt").write_bytes(b"L" * 100)
+    (weights / "best.pt").write_bytes(b"B" * 50)  # rewritten since its verified upload
+    (weights / "epoch_1.pt").write_bytes(b"E" * 50)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+
+    def entry(path: str, data: bytes) -> dict[str, Any]:
+        return {
+            "remote_path": path,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "size": len(data),
+            "epoch": 1,
+            "kind": "epoch",
+            "status": "verified",
+            "queued_at": 1.0,
+        }
+
+    ledger = [entry("weights/epoch_1.pt", b"E" * 50), entry("weights/best.pt", b"b" * 50)]
+    atomic_write_json(state_dir / "sync-ledger.json", {"entries": ledger})
+    job = parse_job(
+        f'[job]\nname = "run1"\nruns_dir = "{tmp_path / "runs"}"\n[train]\ndata = "/d.yaml"\n'
+        f'[sync]\ntarget = "file://{tmp_path / "synced"}"\n',
+        source="t",
+    )
+    env = Env.from_environ({"LIBREYOLO_AGENT_STATE_DIR": str(state_dir)})
+    state = RunState(job_name="run1", job_source="t")
+    report = asyncio.run(rescue(state, job, None, env, state_dir, timeout_s=60))
+    assert report["last_pt"]["saved"] is True
+    assert (tmp_path / "synced" / "weights" / "last.pt").read_bytes() == b"L" * 100
+    assert report["unsaved"] == ["weights/best.pt"]
+    assert report["trainer"] == {"stopped": False, "why": "state.json records no trainer"}
