@@ -524,3 +524,31 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
     assert (tmp_path / "synced" / "weights" / "last.pt").read_bytes() == b"L" * 100
     assert report["unsaved"] == ["weights/best.pt"]
     assert report["trainer"] == {"stopped": False, "why": "state.json records no trainer"}
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "hold", "deadline_in", "kind"),
+    [
+        (10, {"until": -165}, -90, "alive"),  # a live agent ends its own hold
+        (3600, {"until": -165}, -90, "due"),  # the case
+        (3600, {"until": -1}, 3600, "due"),  # the hold's own end, the deadline far
+        (3600, {"until": 3600, "released_at": -5}, 3600, "due"),  # released, then the agent died
+        (3600, {"until": 3600}, -1, "due"),  # the hard deadline, in HELD as in every phase
+        (3600, {"until": 3600}, 3600, "held"),  # a person's hold, both ahead: wait
+        (3600, {"until": 3600}, None, "held"),
+        (3600, {"until": -1}, None, "due"),
+    ],
+)
+def test_due_in_held_follows_the_holds_end_and_the_deadline(
+    silent_s: float, hold: dict[str, float], deadline_in: float | None, kind: str
+) -> None:
+    from agent.guard import due
+    from agent.state import RunState
+    from tests.test_guard import plan_at
+
+    now = 2_000_000_000.0
+    plan = plan_at(now, deadline=None if deadline_in is None else now + deadline_in)
+    held = {"at": now - 7200, "released_at": None, **{k: now + v for k, v in hold.items()}}
+    state = RunState(job_name="run1", job_source="t", phase=Phase.HELD, hold=held)
+    verdict = due(plan, now=now, alive_at=now - silent_s, state=state)
+    assert verdict.kind == kind, verdict.why
