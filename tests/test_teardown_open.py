@@ -17,8 +17,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +56,11 @@ def load(state_dir: Path) -> RunState | None:
         return None  # written at this very moment: read again
 
 
-def job_file(tmp_path: Path, fake: FakeVast) -> Path:
+def job_file(tmp_path: Path, fake: FakeVast, extra: str = "") -> Path:
     job = tmp_path / "job.toml"
     job.write_text(
-        f"""
+        extra
+        + f"""
 [job]
 name = "run1"
 runs_dir = "{tmp_path / "runs"}"
@@ -85,6 +88,29 @@ api_url = "{fake.url}"
 
 
 @pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A webhook receiver on 127.0.0.1: the URL, and the JSON bodies it got."""
+    bodies: list[dict[str, Any]] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
 def processes(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Agents a test started, and the guard of its state directory: all ended, pass or fail."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -102,8 +128,11 @@ def processes(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirmed(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    webhook: tuple[str, list[dict[str, Any]]],
 ) -> None:
+    hook, bodies = webhook
     state_dir = tmp_path / "state"
     base = {k: v for k, v in os.environ.items() if k != "LIBREYOLO_AGENT_CRASHPOINT"}
     env = dict(
@@ -118,7 +147,7 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
     with run_fake_vast(keys=set(), instance_keys={KEY: "1234"}) as fake:
         fake.add_instance("1234")
         outage = fake.down(503)
-        job = job_file(tmp_path, fake)
+        job = job_file(tmp_path, fake, f'[notify]\nwebhook = "{hook}"\n')
 
         def attempts() -> int:
             state = load(state_dir)
@@ -186,6 +215,17 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
         assert (
             KEY not in (tmp_path / "first.err").read_text() + (tmp_path / "second.err").read_text()
         )
+    # Said, not stormed: one "NOT confirmed" notice per agent for all its failed attempts.
+    eventually(lambda: any(b["event"]["kind"] == "done" for b in bodies), timeout=30)
+    opened = [b for b in bodies if b["event"]["data"].get("open")]
+    assert len(opened) == 2 < td["attempts"], [b["text"] for b in bodies]
+    assert all(NOT_CONFIRMED in b["text"] for b in opened)
+    confirmed = [
+        b
+        for b in bodies
+        if b["event"]["kind"] == "teardown_confirmed" and b["event"]["data"].get("confirmed")
+    ]
+    assert len(confirmed) == 1
 
 
 def test_a_done_record_whose_teardown_never_confirmed_is_reopened_by_a_new_run(
