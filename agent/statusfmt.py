@@ -171,6 +171,13 @@ def plain_line(s: Mapping[str, Any], now: float) -> str:
     return "  ".join(parts)
 
 
+def _report_teardown(td: Mapping[str, Any] | None) -> str:
+    if not td:
+        return "-"
+    words = open_words(td) if is_open(td) and "confirmed" in td else teardown_words(td)
+    return f"{words}: {td.get('detail') or '-'}"
+
+
 def report_summary(report: Mapping[str, Any], source: str) -> str:
     """An ended job's post-mortem (``report.json``) in a few rows, its headline first."""
     t = report.get("training") or {}
@@ -198,7 +205,7 @@ def report_summary(report: Mapping[str, Any], source: str) -> str:
         ("epochs", epochs),
         ("checkpoints", synced),
         ("money", usd((report.get("money") or {}).get("spent_usd"))),
-        ("teardown", f"{teardown_words(td)}: {td.get('detail') or '-'}" if td else "-"),
+        ("teardown", _report_teardown(td)),
         ("warnings", f"{len(warnings)} (in report.md)" if warnings else "none"),
     ]
     head = f"no agent is running; this is the record of an ended job, from {source}:"

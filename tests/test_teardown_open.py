@@ -343,3 +343,23 @@ def test_the_supervisor_starts_an_agent_that_exited_with_its_teardown_open_again
 
     verdict = Policy().after_exit(EXIT_TEARDOWN_OPEN, uptime_s=600.0, in_a_row=0)
     assert verdict.restart and verdict.state == "waiting"
+
+
+def test_every_status_text_says_an_open_teardown_may_still_bill() -> None:
+    from agent import statusfmt
+
+    open_td = {"action": "destroy", "performed": False, "confirmed": False, "attempts": 4}
+    done_td = {"action": "destroy", "performed": True, "confirmed": True, "detail": "gone"}
+    now = time.time()
+    texts = {
+        "summary": statusfmt.teardown_text({"teardown": open_td}, now),
+        "line": statusfmt.plain_line({"phase": "TEARDOWN", "teardown": open_td}, now),
+        "ended": statusfmt.teardown_line(open_td),
+        "report": statusfmt.report_summary({"teardown": open_td}, "report.json"),
+    }
+    for where, text in texts.items():
+        assert f"destroy {NOT_CONFIRMED} (attempt 4)" in text, where
+    assert NOT_CONFIRMED not in statusfmt.teardown_text({"teardown": done_td}, now)
+    assert NOT_CONFIRMED not in statusfmt.report_summary({"teardown": done_td}, "report.json")
+    assert not is_open({"action": "keep", "confirmed": True})
+    assert not is_open(done_td) and is_open(open_td) and is_open({"action": "stop"})
