@@ -179,7 +179,13 @@ def test_demo_only_options_with_a_job_are_refused(
 # status and stop without an agent
 
 
-TEARDOWN = {"provider": "none", "action": "destroy", "detail": "would destroy the box"}
+TEARDOWN = {
+    "provider": "none",
+    "action": "destroy",
+    "performed": False,
+    "confirmed": True,
+    "detail": "would destroy the box",
+}
 
 
 def save_state(
