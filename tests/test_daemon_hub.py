@@ -357,9 +357,23 @@ def test_hub_down_for_the_whole_run_never_blocks_training_and_blocks_destroy(
 
 @requires_libreyolo
 def test_a_bad_token_is_a_non_retryable_failure_that_names_hf_token_and_never_leaks(
-    tmp_path: Path, dataset: Path, hub: FakeHub, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, dataset: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # A token refused from the start is found before training (the canary write: see
+    # tests/test_preflight_canary.py); here it works for the canary and is revoked as training
+    # starts (an expired or revoked token), so every upload meets 401.
     secret = "hf_Bad_SeCrEt_0123456789abcdef"
+    with run_fake_hub(tokens={secret}) as hub:
+        _bad_token_run(tmp_path, dataset, caplog, hub, secret)
+
+
+def _bad_token_run(
+    tmp_path: Path,
+    dataset: Path,
+    caplog: pytest.LogCaptureFixture,
+    hub: FakeHub,
+    secret: str,
+) -> None:
     job = make_job(
         tmp_path,
         dataset,
@@ -367,15 +381,31 @@ def test_a_bad_token_is_a_non_retryable_failure_that_names_hf_token_and_never_le
         sync='max_backoff = "3s"\nupload_timeout = "20s"\nfinish_timeout = "2s"',
     )
     env = Env(state_dir=tmp_path / "state", hf_endpoint=hub.url, hf_token=secret)
+    revoked_at: list[int] = []
 
-    code, daemon, probe = asyncio.run(run_daemon(job, env))
+    def revoke_now() -> None:
+        if not revoked_at:
+            hub.revoke(secret)
+            revoked_at.append(len(hub.requests))
+
+    async def revoke(daemon: Daemon) -> None:
+        # The moment the job leaves BOOTING (the canary passed), before any checkpoint exists.
+        daemon.events.listen(
+            lambda e: revoke_now() if e.kind == "phase" and e.data.get("to") == "STAGING" else None
+        )
+        if daemon.state.phase != Phase.BOOTING:
+            revoke_now()
+
+    code, daemon, probe = asyncio.run(run_daemon(job, env, revoke))
 
     assert code == 0
     assert daemon.state.reason is not None and daemon.state.reason.value == "completed"
-    assert not hub.has_repo("model", REPO)
-    # The token was sent, and refused.
-    assert hub.requests and all(r.auth == "invalid" for r in hub.requests)
-    assert all(r.status == 401 for r in hub.requests)
+    # Only the canary went up (and was deleted): no checkpoint reached the repo.
+    assert [p for p in hub.files("model", REPO) if p != ".gitattributes"] == []
+    # After the revocation, the token was sent, and refused.
+    after = hub.requests[revoked_at[0] :]
+    assert after and all(r.auth == "invalid" for r in after)
+    assert all(r.status == 401 for r in after)
 
     failures = list(probe.failures.values())
     assert failures

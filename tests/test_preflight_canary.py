@@ -96,7 +96,9 @@ def test_a_writable_file_target_passes_and_keeps_no_canary(tmp_path: Path, data:
 # ------------------------------------------------------------------------------------ hf://
 
 
-@pytest.mark.parametrize(("token", "works"), [(HF_READ, False), (HF_WRITE, True)])
+@pytest.mark.parametrize(
+    ("token", "works"), [(HF_READ, False), ("hf_revoked_token_89ab", False), (HF_WRITE, True)]
+)
 def test_an_hf_target_is_written_read_back_and_cleaned_with_the_job_token(
     tmp_path: Path, data: Path, token: str, works: bool
 ) -> None:
@@ -116,7 +118,8 @@ def test_an_hf_target_is_written_read_back_and_cleaned_with_the_job_token(
             assert hub.file("model", REPO, "weights/last.pt") is not None
         else:
             check = failed_before_training(daemon, launched, "target.canary")
-            assert "write access" in check["value"]
+            assert "set HF_TOKEN to a token with write access" in check["value"]
+            assert token not in check["value"]
             assert canary_commits == []
         text = (daemon.env.state_dir / "agent.log").read_text()
         assert token not in text and token not in json.dumps(daemon.state.to_dict())

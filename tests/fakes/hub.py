@@ -28,6 +28,7 @@ Tests must set ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1`` and ``NO
 
 State helpers (thread-safe, callable from the test thread while the server runs)
     ``url``                                  base URL, ``http://127.0.0.1:PORT``
+    ``revoke(token)``                        the token is refused from now on (401)
     ``add_repo(kind, repo_id, private=)``    create a repo (no-op if it exists); kind is
                                              ``"model"``, ``"dataset"`` or ``"space"``
     ``add_file(kind, repo_id, path, data, private=, revision="main")`` -> commit sha; creates
@@ -356,6 +357,12 @@ class FakeHub:
         self._closing: asyncio.Event | None = None
 
     # ---- state helpers (test thread) ---------------------------------------------------------
+
+    def revoke(self, token: str) -> None:
+        """The token is revoked (or expired): from now on it is refused like any unknown token
+        (401 ``Invalid credentials in Authorization header``), as the Hub does."""
+        with self._lock:
+            self._roles.pop(token, None)
 
     def add_repo(self, kind: str, repo_id: str, *, private: bool = False) -> None:
         with self._lock:
