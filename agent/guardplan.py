@@ -61,6 +61,8 @@ NO_DEADLINE_STALE_S = 6 * 3600.0
 MAX_EVERY_S = 30.0
 STALE_AFTER_ENV = "LIBREYOLO_AGENT_GUARD_STALE_AFTER"
 MARGIN_ENV = "LIBREYOLO_AGENT_GUARD_MARGIN"
+#: How long the guard's upload of ``last.pt`` may take (agent/guardsave.py reads it).
+SAVE_TIMEOUT_ENV = "LIBREYOLO_AGENT_GUARD_SAVE_TIMEOUT"
 #: Fault injection is for the agent; a guard must never inherit it.
 _CRASHPOINT_ENV = "LIBREYOLO_AGENT_CRASHPOINT"
 
@@ -168,6 +170,7 @@ def check_environ(environ: Mapping[str, str] | None = None) -> None:
     _duration_from_env(e, STALE_AFTER_ENV, DEFAULT_STALE_AFTER_S)
     _duration_from_env(e, MARGIN_ENV, DEFAULT_MARGIN_S)
     timing_from_env(e)  # LIBREYOLO_AGENT_TEARDOWN_TIMING, read by the agent and the guard
+    _duration_from_env(e, SAVE_TIMEOUT_ENV, 600.0)  # the guard's upload of last.pt
 
 
 def write_plan(

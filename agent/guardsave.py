@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import Env, Job
+from .guardplan import SAVE_TIMEOUT_ENV
 from .jobvalues import ConfigError, parse_duration
 from .state import RunState
 
 log = logging.getLogger("agent.guard")
 
-SAVE_TIMEOUT_ENV = "LIBREYOLO_AGENT_GUARD_SAVE_TIMEOUT"
 #: Seconds the guard's upload of ``last.pt`` (with its read-back) may take before the teardown
 #: goes ahead without it.
 DEFAULT_SAVE_TIMEOUT_S = 600.0

@@ -141,6 +141,13 @@ def test_a_bad_guard_variable_is_a_config_error_naming_it(state_dir: Path) -> No
     assert str(info.value).startswith("LIBREYOLO_AGENT_GUARD_MARGIN: '0s' must be a positive")
     check_environ({"LIBREYOLO_AGENT_GUARD_MARGIN": "90s"})
     assert not (state_dir / PLAN_FILE).exists()
+    for name, value in (
+        ("LIBREYOLO_AGENT_GUARD_SAVE_TIMEOUT", "forever"),
+        ("LIBREYOLO_AGENT_TEARDOWN_TIMING", "retry_s=soon"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            check_environ({name: value})
+        assert str(info.value).startswith(f"{name}: ")
 
 
 def test_the_plan_carries_a_command_providers_argv_back_as_tuples(state_dir: Path) -> None:
