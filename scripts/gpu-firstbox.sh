@@ -181,7 +181,13 @@ PY
   done
   say "provider called $(secs "$tk" "$(now)") s after the agent's kill"
   sleep 3
-  grep -h -E 'guard' "$G"/state/*.log 2>/dev/null | tail -40 | cut -c1-240 | tee -a "$R"
+  grep -h -E 'guard' "$G"/state/guard.log 2>/dev/null | tail -30 | cut -c1-240 | tee -a "$R"
+  python3 bench/guard_timing.py "$G/state" 2>&1 | tee -a "$R"
+  python3 - "$G/runs" "$B/serve/serve.env" <<'PY' 2>&1 | tee -a "$R"
+import glob, hashlib, json, os, sys, urllib.request
+st = json.load(open(glob.glob(sys.argv[1] + "/*/status.json")[0]))
+print("trainer's run at the guard's stop: completed_epochs", st.get("completed_epochs"), "state", st.get("state"))
+PY
   cp "$G"/state/guard*.log "$OUT/" 2>/dev/null
   python3 - "$B/serve/vast.json" <<'PY' | tee -a "$R"
 import json, sys
