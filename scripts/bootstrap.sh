@@ -155,6 +155,83 @@ shutil.copyfile(path, dest)
 PY
 }
 
+# prefetch: when the job names a dataset on the Hub, download its archive into the Hub cache in
+# the background, while pip works: the agent's staging (hf_hub_download into the same cache)
+# then finds it there and downloads nothing (or waits on the client's lock while this one
+# finishes). Any Python that has huggingface_hub will do: the venv's when there is one, else the
+# one install.sh builds it from (a GPU image's often has it); with none, or a job without a
+# dataset, or an agent already running, nothing is started and the agent downloads it as always.
+# A failure here only leaves the download to the agent, which says what went wrong.
+prefetch() {
+  local py="$venv/bin/python"
+  if [ ! -x "$py" ]; then
+    py="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
+  fi
+  [ -n "$py" ] && [ -x "$(command -v "$py")" ] || return 0
+  local log="$state_dir/prefetch.log"
+  # Its own session (it outlives this script, as the supervisor does), without the lock's fd 9.
+  local launcher=(nohup)
+  if command -v setsid >/dev/null; then
+    launcher=(setsid nohup)
+  fi
+  "${launcher[@]}" "$py" -c "$prefetch_py" "$job_dest" >>"$log" 2>&1 </dev/null 9>&- &
+  say "prefetch: the job's dataset archive goes into the Hub cache in the background (pid $!, log $log)"
+}
+prefetch_py='
+import importlib.util
+import os
+import sys
+import time
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 and older: the agent downloads it
+    sys.exit(0)
+with open(sys.argv[1], "rb") as f:
+    try:
+        ds = tomllib.load(f).get("dataset") or {}
+    except ValueError:
+        sys.exit(0)  # the check names the mistake
+repo, name = ds.get("repo"), ds.get("file")
+if not (isinstance(repo, str) and isinstance(name, str) and repo and name):
+    sys.exit(0)
+if importlib.util.find_spec("huggingface_hub") is None:
+    print(f"prefetch: no huggingface_hub in {sys.executable}: the agent downloads {repo}/{name}")
+    sys.exit(0)
+from huggingface_hub import hf_hub_download
+
+home = os.environ.get("HF_HOME")
+start = time.monotonic()
+print(f"prefetch: {repo}/{name} into the Hub cache", flush=True)
+try:
+    path = hf_hub_download(
+        repo,
+        name,
+        repo_type="dataset",
+        revision=ds.get("revision") if isinstance(ds.get("revision"), str) else None,
+        cache_dir=os.path.join(home, "hub") if home else None,
+        token=os.environ.get("HF_TOKEN") or False,
+    )
+except Exception as exc:  # one line; the token is never part of the client messages
+    print(f"prefetch: not fetched ({type(exc).__name__}): the agent downloads it and says why")
+    sys.exit(0)
+print(f"prefetch: done in {time.monotonic() - start:.2f} s: {path}")
+'
+
+# agent_running: the supervised agent runs already (its unit under systemd, else the supervisor
+# whose pid file names a live process).
+agent_running() {
+  if [ "$init" = systemd ]; then
+    systemctl is-active --quiet libreyolo-agent
+    return
+  fi
+  local pid_file="$state_dir/supervisor.pid" pid
+  [ -r "$pid_file" ] || return 1
+  pid="$(tr -cs '0-9' '\n' <"$pid_file" | sed -n '/./{p;q}')"
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+    && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'supervise'
+}
+
 run_install() {
   if [ "$install" = 1 ]; then
     "$here/install.sh" "$@"
@@ -210,6 +287,9 @@ else
 fi
 chmod 600 "$job_dest"
 say "job: $job_dest (from $source_desc)"
+if grep -Eq '^[[:space:]]*\[dataset\]' "$job_dest" && ! agent_running; then
+  prefetch
+fi
 
 # ---- install, with the LibreYOLO extras the job needs; then the job is checked
 install_rc=0

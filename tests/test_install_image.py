@@ -11,7 +11,9 @@ torchvision: were pip ever to want one, the install would fail. It must:
   (the image holds an old psutil the agent does not accept: pip installs its own, and that one
   is what the venv imports);
 - change nothing when run again, and still see the image's torch;
-- never import torch to decide or to check (the stand-in logs every import).
+- never import torch to decide or to check (the stand-in logs every import);
+- not run pip at all the second time (the stamp of the last install matches; pip's own log,
+  ``PIP_LOG``, stays as it was), and run it again once pyproject.toml changed.
 """
 
 from __future__ import annotations
@@ -100,6 +102,15 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
     )
     smi.chmod(0o755)
     venv = root / "venv"
+    # A copy of the project: the third run changes its pyproject.toml.
+    project = root / "project"
+    project.mkdir()
+    for name in ("install.sh", "pyproject.toml", "README.md"):
+        shutil.copy2(REPO_ROOT / name, project / name)
+    shutil.copytree(
+        REPO_ROOT / "agent", project / "agent", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    pip_log = root / "pip.log"
     env = {
         k: v
         for k, v in os.environ.items()
@@ -114,11 +125,15 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
         PIP_NO_CACHE_DIR="1",
         PIP_CONFIG_FILE=os.devnull,
         TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
+        PIP_LOG=str(pip_log),  # pip appends to it at every run
     )
-    runs, snaps = [], []
-    for _ in range(2):
+    runs, snaps, logged = [], [], []
+    for n in range(3):
+        if n == 2:
+            with open(project / "pyproject.toml", "a", encoding="utf-8") as f:
+                f.write("# changed since the last install\n")
         proc = subprocess.run(
-            ["/bin/bash", str(INSTALL)],
+            ["/bin/bash", str(project / "install.sh")],
             capture_output=True,
             text=True,
             env=env,
@@ -126,6 +141,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
             timeout=1200,
         )
         runs.append(proc)
+        logged.append(pip_log.read_text(encoding="utf-8") if pip_log.exists() else "")
         if proc.returncode != 0:
             break
         snaps.append(snapshot(venv))
@@ -137,6 +153,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
         "venv": venv,
         "runs": runs,
         "snaps": snaps,
+        "logged": logged,
         "env": env,
     }
     shutil.rmtree(root, ignore_errors=True)
@@ -195,13 +212,60 @@ def test_the_image_torch_is_kept_and_seen_from_the_new_venv(box: dict[str, objec
 def test_a_second_run_changes_nothing_and_still_sees_the_torch(box: dict[str, object]) -> None:
     runs, snaps = box["runs"], box["snaps"]
     assert isinstance(runs, list) and isinstance(snaps, list)
-    assert len(runs) == 2 and runs[1].returncode == 0, out(runs[-1])[-4000:]
+    assert len(runs) >= 2 and runs[1].returncode == 0, out(runs[1])[-4000:]
     second = out(runs[1])
     assert (
         "keeping the image's torch" in second and "already installed, nothing to change" in second
     )
     assert f"torch 2.11.0+cu130 (CUDA 13.0) in {box['image_site']}" in second
     assert snaps[0] == snaps[1], "the second install changed the venv"
+    # The stamp matched: pip never ran (its log is as the first run left it).
+    assert "(as recorded in " in second
+    logged = box["logged"]
+    assert isinstance(logged, list) and logged[0] and logged[1] == logged[0]
+    # The first run built the agent in an isolated environment: this venv holds no setuptools
+    # of its own that is new enough (test_a_venv_with_setuptools_builds_without_isolation).
+    assert "Installing build dependencies" in logged[0]
+
+
+@pytest.mark.timeout(2400)
+def test_a_changed_pyproject_runs_pip_again(box: dict[str, object]) -> None:
+    runs, logged = box["runs"], box["logged"]
+    assert isinstance(runs, list) and isinstance(logged, list)
+    assert len(runs) == 3 and runs[2].returncode == 0, out(runs[-1])[-4000:]
+    third = out(runs[2])
+    assert len(logged[2]) > len(logged[1])  # pip ran
+    # It found nothing to install (a comment changed), and said so without the stamp.
+    assert "already installed, nothing to change" in third and "as recorded in" not in third
+    assert (Path(str(box["venv"])) / ".libreyolo-agent-install").is_file()
+
+
+@pytest.mark.timeout(2400)
+def test_a_venv_with_setuptools_builds_without_isolation(
+    box: dict[str, object], tmp_path: Path
+) -> None:
+    """The venv holds the agent's build backend (setuptools >= 70.1): pip builds the agent with
+    it, installing no build dependencies into a throwaway environment first."""
+    env = dict(box["env"])  # type: ignore[call-overload]
+    venv = tmp_path / "venv"
+    subprocess.run([env["PYTHON"], "-m", "venv", str(venv)], check=True, env=env)
+    # As install.sh makes it on this box (the image's torch kept), then its setuptools added.
+    pth = site_of(venv / "bin" / "python") / "_libreyolo_image_torch.pth"
+    pth.write_text(f"{box['image_site']}\n", encoding="utf-8")
+    subprocess.run(  # the wheel folder's setuptools (this interpreter's, repacked)
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "setuptools>=70.1"],
+        check=True,
+        env=env,
+    )
+    env.update(VENV=str(venv), PIP_LOG=str(tmp_path / "pip.log"))
+    proc = subprocess.run(
+        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert proc.returncode == 0, out(proc)[-4000:]
+    assert "(--no-build-isolation: the venv holds setuptools)" in proc.stdout
+    logged = (tmp_path / "pip.log").read_text(encoding="utf-8")
+    assert "Successfully installed" in logged and "libreyolo-agent" in logged
+    assert "Installing build dependencies" not in logged
 
 
 def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> None:
