@@ -27,6 +27,7 @@ import psutil
 
 from .config import Job, TrainValue
 from .crashpoints import crashpoint
+from .exitwait import wait_exit
 from .rundir import RunStatus, pid_alive
 from .spawn import LAUNCH_ENV, spawn_detached, trainer_env
 from .spawn import TrainerError as TrainerError  # re-exported: launching raises it
@@ -423,30 +424,7 @@ class Trainer:
         return os.waitstatus_to_exitcode(status)
 
     async def _wait_exit(self) -> None:
-        # A pidfd becomes readable when the process exits: an event, not a polling loop.
-        try:
-            fd = os.pidfd_open(self.pid)
-        except (OSError, AttributeError):
-            # No pidfd (old kernel, or the pid is already gone): a slow poll is the fallback.
-            while pid_alive(self.record.pid, self.record.create_time):  # noqa: ASYNC110
-                await asyncio.sleep(1.0)
-            return
-        if not pid_alive(self.record.pid, self.record.create_time):
-            os.close(fd)
-            return
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def on_exit() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        loop.add_reader(fd, on_exit)
-        try:
-            await done
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
+        await wait_exit(self.pid, self.record.create_time, is_child=self.is_child)
 
     async def stop(self, *, stop_grace_s: float, kill_grace_s: float) -> str:
         """SIGINT (LibreYOLO's clean stop), then SIGTERM, then SIGKILL to the whole tree, each

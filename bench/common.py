@@ -11,8 +11,11 @@ Modes (each a real process, so its memory and CPU are its own):
     written by the real ``torch.save``, as LibreYOLO's are: a dict with the epoch and float32
     tensors of ``ckpt_kb`` KiB in all (seeded by the epoch, so each epoch's bytes differ), which
     torch writes in place, a write call per tensor, as a zip with data descriptors; otherwise
-    by the scripted trainer's own writer (a zip written in one go). The scripted trainer
-    ignores the extra keys.
+    by the scripted trainer's own writer (a zip written in one go). ``cuda=1`` makes a CUDA
+    context first (torch on the GPU, as a real trainer holds one until it exits);
+    ``linger_s=S`` sleeps S seconds after ``main`` returned (the ``exit`` row), before the
+    process ends: an interpreter's shutdown, during which the last epoch's uploads finish. The
+    scripted trainer ignores the extra keys.
 ``poll RUNS_DIR EVERY_S LOG``
     P1's anchor: every EVERY_S seconds, read the run's status.json and hash its weights/last.pt
     (the same reads the agent does), until status.json says the run ended.
@@ -204,11 +207,19 @@ def timed_trainer(argv: list[str]) -> int:
             took = time.time() - t0
         _log(log, name=path.name, epoch=epoch, t=time.time(), write_s=round(took, 4))
 
+    if st.truthy(opts.get("cuda", "0")):
+        # A CUDA context, as LibreYOLO's on a GPU: the process's exit then tears it down.
+        import torch
+
+        torch.zeros(1, device="cuda")
     st.write_checkpoint = write_checkpoint  # type: ignore[assignment]
     try:
         return st.main(argv)
     finally:
         _log(log, exit=time.time())
+        # The interpreter's shutdown after the last status.json (torch's, CUDA's): the agent
+        # cannot see an exit before it ends.
+        time.sleep(float(opts.get("linger_s", "0")))
 
 
 class _Stub:

@@ -187,6 +187,26 @@ def test_progress_resets_the_stall_clock_and_a_clean_exit_completes(tmp_path: Pa
     assert daemon.state.reason == Reason.COMPLETED
 
 
+def test_the_trainers_exit_is_acted_on_at_once_not_at_the_next_poll(tmp_path: Path) -> None:
+    # An hour between polls, and no file changes: only the exit itself can wake the loop, and
+    # the job must go on from it to its end (FINISHING, TEARDOWN, DONE) without a poll tick.
+    daemon, trainer, _, _ = make(tmp_path)
+    daemon.poll_interval_s = 3600.0
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        await started(daemon)
+        turns = daemon.loop_turns
+        trainer.exit(0)
+        code = await asyncio.wait_for(task, 60)
+        assert daemon.loop_turns == turns + 1  # the one turn the exit woke
+        return code
+
+    assert asyncio.run(main()) == 0
+    assert daemon.state.reason == Reason.COMPLETED
+    assert daemon.state.phase == Phase.DONE
+
+
 def test_a_stop_request_stops_once_however_often_the_loop_turns(tmp_path: Path) -> None:
     daemon, trainer, _, _ = make(tmp_path, obeys_stop=False)
 
