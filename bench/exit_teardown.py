@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,21 @@ INSTANCE = "4321"
 HF_TOKEN = "hf_bench_token"
 HF_REPO = "bench-user/exit-teardown"
 
-#: (step, the log line's start that ends it); the provider's read and the DELETE come from the fake.
+#: The steps, each ended by a mark: (name, what ends it, the coarse step it belongs to).
 STEPS = (
-    ("noticed", "trainer pid="),  # "trainer pid=N exited code=C"
-    ("acted", "trainer outcome:"),
-    ("final sync", "sync verified:"),
-    ("decision", "teardown decision:"),
+    ("noticed", "the agent's `trainer pid=N exited` line", "exit noticed"),
+    ("acted", "`trainer outcome: ...` (the loop left, the run read)", "exit noticed"),
+    ("queued", "FINISHING's `final sync: N file(s) queued`", "final sync"),
+    ("drained", "its last `uploaded+verified` (the agent's files)", "final sync"),
+    ("verified", "`sync verified: ...` (the read-back of what changed)", "final sync"),
+    ("decision", "`teardown decision: ...`", "decision"),
+    ("provider read", "the instance read answered (`provider: ... reads`)", "provider read"),
+    ("report written", "report.json + report.md built and written", "report"),
+    ("report sent", "the report's last `uploaded+verified`", "report"),
+    ("DELETE", "the fake's DELETE arrived", "DELETE"),
 )
+ORDER = tuple(step for step, _, _ in STEPS)
+COARSE = ("exit noticed", "final sync", "decision", "provider read", "report", "DELETE")
 
 
 @dataclass
@@ -102,24 +111,10 @@ class Run:
     read_back: int | None = None
     trusted: int | None = None
     records: list[Record] = field(default_factory=list)
+    #: (wall time, method, route) of each request the fake Hub got.
+    hub_requests: list[tuple[float, str, str]] = field(default_factory=list)
     requests: list[tuple[float, str, str]] = field(default_factory=list)
     error: str | None = None
-
-
-class TimedSink:
-    """The job's real sink, noting when each upload is entered (the report's, among others)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.description = inner.description
-        self.uploads: list[tuple[float, str]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def upload(self, local: Path, remote_path: str) -> Any:
-        self.uploads.append((time.time(), remote_path))
-        return self.inner.upload(local, remote_path)
 
 
 def job_text(tmp: Path, target: str, vast_url: str, epochs: int, device: str) -> str:
@@ -185,10 +180,10 @@ def pidfd_works() -> bool:
 
 
 def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
+    from agent import report
     from agent.config import Env
     from agent.daemon import Daemon
     from agent.jobfile import parse_job
-    from agent.sinks import make_sink
     from tests.fakes.providers import run_fake_vast
     from tests.fakes.scripted_launcher import ScriptedLauncher
 
@@ -208,6 +203,15 @@ def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
     (tmp / "images").mkdir(parents=True, exist_ok=True)
     (tmp / "data.yaml").write_text("train: images\nval: images\nnames:\n  0: box\n")
     target = f"file://{tmp / 'target'}" if args.target == "file" else f"hf://{HF_REPO}"
+    written: list[float] = []  # when each report.write returned
+    real_write = report.write
+
+    def timed_write(state_dir: Path, report: Mapping[str, Any]) -> tuple[Path, Path]:
+        paths = real_write(state_dir, report)
+        written.append(time.time())
+        return paths
+
+    report.write = timed_write
     capture = Capture()
     agent_log = logging.getLogger("agent")
     agent_log.addHandler(capture)
@@ -219,6 +223,8 @@ def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
     try:
         with run_fake_vast(keys=set(), instance_keys={KEY: INSTANCE}) as fake:
             fake.add_instance(INSTANCE)
+            if args.rtt_s:
+                fake.hang("*", args.rtt_s, times=None)
             job = parse_job(
                 job_text(tmp, target, fake.url, args.epochs, args.device),
                 source="bench",
@@ -228,15 +234,13 @@ def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
             if hub is not None:
                 hf = {"hf_endpoint": hub.url, "hf_token": HF_TOKEN}
             env = Env(state_dir=tmp / "state", container_id=INSTANCE, container_api_key=KEY, **hf)
-            assert job.sync is not None
-            sink = TimedSink(make_sink(job.sync, env))
             options: dict[str, object] = {"epoch_s": args.epoch_s, "ckpt_kb": args.ckpt_kb}
             if args.linger_s:
                 options["linger_s"] = args.linger_s
             if args.cuda:
                 options["cuda"] = 1
             launcher = Launcher(**options)
-            daemon = Daemon(job, env, launcher=launcher, sink=sink)
+            daemon = Daemon(job, env, launcher=launcher)
             try:
                 code = asyncio.run(agent_run(daemon, args.slow_callbacks), debug=debug)
                 if code != 0:
@@ -244,8 +248,13 @@ def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
             except Exception as exc:  # a figure, not a test: say it and go on
                 run.error = f"{type(exc).__name__}: {exc}"
             run.requests = [(c.at + offset, c.method, c.route) for c in list(fake.requests)]
-            reports = [t for t, p in sink.uploads if p.rsplit("/", 1)[-1].startswith("report.")]
+            if hub is not None:
+                run.hub_requests = [
+                    (r.start + offset, r.method, r.route or "?") for r in list(hub.requests)
+                ]
+                hub.clear_requests()
     finally:
+        report.write = real_write
         agent_log.removeHandler(capture)
         logging.getLogger("asyncio").removeHandler(capture)
     run.records = capture.records
@@ -260,30 +269,80 @@ def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
         run.error = run.error or "the trainer's exit was not seen"
         return run
     after = [r for r in capture.records if r.t >= run.gone_at - 1.0]
-    for step, start in STEPS:
-        hit = next((r for r in after if r.message.startswith(start)), None)
-        if hit is not None:
-            run.marks[step] = hit.t
-            found = VERIFIED.search(hit.message) if step == "final sync" else None
-            if found:
-                run.read_back, run.trusted = int(found[1]), int(found[2])
-    decided = run.marks.get("decision")
-    if decided is not None:
-        shows = [t for t, m, route in run.requests if route == "show" and t >= decided]
-        if shows:
-            run.marks["provider read"] = shows[0]
-        first_report = [t for t in reports if t >= decided]
-        if first_report:
-            run.marks["report"] = max(t for t in reports if t >= decided)
-    deletes = [t for t, m, route in run.requests if m == "DELETE"]
-    if deletes:
-        run.marks["DELETE"] = deletes[0]
-    else:
+    run.marks = marks(after, run.requests, written)
+    verified = [r.message for r in after if r.message.startswith("sync verified")]
+    found = VERIFIED.search(verified[0]) if verified else None
+    if found:
+        run.read_back, run.trusted = int(found[1]), int(found[2])
+    if "DELETE" not in run.marks:
         run.error = run.error or "no DELETE reached the fake provider"
     return run
 
 
-ORDER = ("noticed", "acted", "final sync", "decision", "provider read", "report", "DELETE")
+def marks(
+    records: list[Record], requests: list[tuple[float, str, str]], written: list[float]
+) -> dict[str, float]:
+    """When each step of :data:`STEPS` ended, from the log records after the exit, the fake
+    provider's requests and the report's writes."""
+    out: dict[str, float] = {}
+
+    def first(prefix: str, since: float, name: str = "") -> float | None:
+        for r in records:
+            if r.t >= since and r.message.startswith(prefix) and r.name.startswith(name):
+                return r.t
+        return None
+
+    t0 = records[0].t if records else 0.0
+    for step, prefix in (("noticed", "trainer pid="), ("acted", "trainer outcome:")):
+        t = first(prefix, t0)
+        if t is not None:
+            out[step] = t
+    acted = out.get("acted", t0)
+    queued = first("final sync:", acted)
+    verified = first("sync verified:", acted)
+    if queued is not None and verified is not None:
+        out["queued"] = queued
+        uploads = [
+            r.t for r in records if queued <= r.t <= verified and "uploaded+verified" in r.message
+        ]
+        out["drained"] = max(uploads, default=queued)
+        out["verified"] = verified
+    decided = first("teardown decision:", acted)
+    if decided is not None:
+        out["decision"] = decided
+        read = first("provider: ", decided, "agent.providers")
+        if read is None:  # no answer logged: the request's arrival
+            read = next((t for t, _, route in requests if route == "show" and t >= decided), None)
+        if read is not None:
+            out["provider read"] = read
+        wrote = [t for t in written if t >= decided]
+        if wrote:
+            out["report written"] = wrote[0]
+            sent = [
+                r.t
+                for r in records
+                if r.t >= wrote[0] and "uploaded+verified agent/report." in r.message
+            ]
+            if sent:
+                out["report sent"] = max(sent)
+    deletes = [t for t, method, _ in requests if method == "DELETE"]
+    if deletes:
+        out["DELETE"] = deletes[0]
+    return out
+
+
+def on_the_path(run: Run) -> tuple[dict[str, int], dict[str, int]]:
+    """How many requests the provider and the Hub got, by route, from the exit to the DELETE
+    (the DELETE itself left out): each a round trip on a real network."""
+    assert run.gone_at is not None
+    end = run.marks["DELETE"]
+    out: tuple[dict[str, int], dict[str, int]] = ({}, {})
+    for index, reqs in enumerate((run.requests, run.hub_requests)):
+        for t, method, route in reqs:
+            if run.gone_at <= t < end:
+                key = f"{method} {route}"
+                out[index][key] = out[index].get(key, 0) + 1
+    return out
 
 
 def steps_of(run: Run) -> dict[str, float]:
@@ -295,8 +354,11 @@ def steps_of(run: Run) -> dict[str, float]:
         t = run.marks.get(step)
         if t is None:
             continue
-        out[step] = t - prev
-        prev = t
+        # The agent's own line may come before this bench's thread woke: 0, not negative.
+        out[step] = max(0.0, t - prev)
+        prev = max(prev, t)
+    for _, _, coarse in STEPS:
+        out[coarse] = sum(out.get(step, 0.0) for step, _, c in STEPS if c == coarse)
     if "DELETE" in run.marks:
         out["total"] = run.marks["DELETE"] - gone
     return out
@@ -337,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cuda", action="store_true", help="the trainer holds a CUDA context")
     ap.add_argument(
+        "--rtt-s",
+        type=float,
+        default=0.0,
+        help="every answer of the fake provider (and of the fake Hub) this many seconds late: "
+        "a real API's round trip, which loopback does not have",
+    )
+    ap.add_argument(
         "--no-pidfd",
         action="store_true",
         help="pidfd_open refused in this process (as a container's seccomp filter may): the "
@@ -367,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.fakes.hub import run_fake_hub
 
         hub_cm = run_fake_hub(tokens={HF_TOKEN}, user="bench-user")
+    rtt_note = f", every answer {args.rtt_s} s late" if args.rtt_s else ""
     root = Path(tempfile.mkdtemp(prefix="exit-teardown-"))
     try:
         with hub_cm as hub:
@@ -376,13 +446,15 @@ def main(argv: list[str] | None = None) -> int:
                 if hub is not None:
                     global HF_REPO
                     HF_REPO = f"bench-user/exit-teardown-{os.getpid()}-{i + 1}"
+                if hub is not None and args.rtt_s and i == 0:
+                    hub.delay("*", args.rtt_s)
                 run = one_run(tmp, args, hub)
                 runs.append(run)
                 if run.error:
                     print(f"run {i + 1}: {run.error}")
                     continue
                 s = steps_of(run)
-                parts = ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k != "total")
+                parts = ", ".join(f"{k} {s[k]:.3f}" for k in COARSE if k in s)
                 print(
                     f"run {i + 1}: {s.get('total', float('nan')):.3f} s "
                     f"(read back {run.read_back}, trusted {run.trusted}): {parts}",
@@ -402,13 +474,19 @@ def main(argv: list[str] | None = None) -> int:
         f"\ntrainer exit -> DELETE at the fake Vast, {args.target}:// sync, {len(good)} run(s) "
         f"({args.epochs} epochs of {args.epoch_s} s, {args.ckpt_kb} KiB checkpoints, trainer "
         f"shutdown {args.linger_s} s{', a CUDA context' if args.cuda else ''}, device "
-        f"{args.device}; pidfd {'works' if pidfd_works() else 'NOT available'} here)"
+        f"{args.device}{rtt_note}; pidfd {'works' if pidfd_works() else 'NOT available'} "
+        "here)"
     )
-    print(f"  {'step':<14} {'p50 s':>8} {'max s':>8}")
-    for step in (*ORDER, "total"):
+    print(f"  {'step':<15} {'p50 s':>7} {'max s':>7}  ended by")
+    for step, ends, _ in STEPS:
         values = [g[step] for g in good if step in g]
         if values:
-            print(f"  {step:<14} {statistics.median(values):8.3f} {max(values):8.3f}")
+            print(f"  {step:<15} {statistics.median(values):7.3f} {max(values):7.3f}  {ends}")
+    print(f"  {'in short':<15} {'p50 s':>7} {'max s':>7}")
+    for step in (*COARSE, "total"):
+        values = [g[step] for g in good if step in g]
+        if values:
+            print(f"  {step:<15} {statistics.median(values):7.3f} {max(values):7.3f}")
     shutdown = [r.gone_at - r.main_returned for r in runs if r.gone_at and r.main_returned]
     if shutdown:
         print(
@@ -416,6 +494,15 @@ def main(argv: list[str] | None = None) -> int:
             f"status.json written -> the process gone): p50 {statistics.median(shutdown):.3f} s, "
             f"max {max(shutdown):.3f} s (no agent can see an exit before it)"
         )
+    on_path = [on_the_path(r) for r in runs if not r.error and "DELETE" in r.marks]
+    for who, index in (("provider", 0), ("Hub", 1)):
+        counts = sorted({sum(c[index].values()) for c in on_path})
+        if any(counts):
+            routes = sorted({k for c in on_path for k in c[index]})
+            print(
+                f"  requests to the {who} between the exit and the DELETE: {counts} per run "
+                f"({', '.join(routes)})"
+            )
     totals = [g["total"] for g in good]
     rb = [r.read_back for r in runs if r.read_back is not None]
     tr = [r.trusted for r in runs if r.trusted is not None]
