@@ -159,9 +159,15 @@ if [ "$only" = all ] || [ "$only" = guard ]; then
   # The guard: the agent SIGKILLed after epoch 1 and not restarted; max_runtime 150 s with the
   # guard's margin 20 s and stale-after 10 s, so the hard deadline falls mid-training.
   G="$B/guard"; mkdir -p "$G"
-  job_toml guardjob 200 'max_runtime = "150s"' "$G/runs" > "$G/job.toml"
+  # A 5 s finish reserve: the estimated one (upload speed x checkpoint sizes) may exceed a
+  # 150 s max_runtime, and the agent would then stop training at once (reason timeout).
+  job_toml guardjob 200 'max_runtime = "150s"
+finish_reserve = "5s"' "$G/runs" > "$G/job.toml"
   agent=/opt/libreyolo-agent/.venv/bin/libreyolo-agent
-  [ -x "$agent" ] || agent="python3 -m agent.cli"
+  if [ ! -x "$agent" ]; then  # guard alone: the same install as the start line makes
+    rm -rf /opt/libreyolo-agent && git clone -q "$REPO_URL" /opt/libreyolo-agent \
+      && /opt/libreyolo-agent/install.sh > "$OUT/guard-install.log" 2>&1 || exit 1
+  fi
   say "== guard: job with max_runtime 150s, guard margin 20s"
   CONTAINER_ID=1502 LIBREYOLO_AGENT_STATE_DIR="$G/state" LIBREYOLO_AGENT_GUARD_MARGIN=20s \
     LIBREYOLO_AGENT_GUARD_STALE_AFTER=10s $agent run "$G/job.toml" > "$G/agent.out" 2>&1 & apid=$!
@@ -196,5 +202,8 @@ calls = [f"{c['method']} {c['path']} -> {c['status']} at {c['at']}" for c in d["
 print("vast calls for 1502:", calls[-6:], "| state:", d["instances"]["1502"])
 PY
   say "trainer processes left: $(pgrep -fc 'libreyolo train|train_entry|warm_entry' || true)"
+  cp "$G"/state/trainer.log "$OUT/guard-trainer.log" 2>/dev/null
+  cp "$G"/state/agent.log "$OUT/guard-agent.log" 2>/dev/null
+  cat "$G"/runs/*/status.json > "$OUT/guard-status.json" 2>/dev/null
 fi
 cat "$R" > /dev/null
