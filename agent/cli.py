@@ -9,11 +9,19 @@ teardown decision before the exit 2 (agent/badjob.py).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and sys.argv[1:2] == ["supervise"]:
+    # The supervisor lives as long as the job: it enters before the rest of the CLI is imported
+    # (agent/supervisor.py says what it holds, and why so little).
+    from agent.supervisor import main as _supervise
+
+    sys.exit(_supervise(sys.argv[2:]))
+
 import argparse
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -314,28 +322,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_supervise(args: argparse.Namespace) -> int:
     from . import supervisor
 
-    policy = supervisor.Policy.from_options(  # ConfigError: one line each, exit 2 (main)
-        args.max_restarts, args.first_backoff, args.max_backoff, args.min_uptime
-    )
-    job = Path(args.job).absolute()
-    _setup_logging(args.verbose)
-    try:
-        _load(str(job))  # a bad job file is exit 2 here, before anything starts
-    except ConfigError as exc:
-        return _bad_job(str(job), exc, supervised=True)
-    state_dir = Env.from_environ().state_dir
-    argv = supervisor.agent_argv(job, verbose=args.verbose)
-    log_path = Path(args.log) if args.log else None
-    try:
-        return asyncio.run(
-            supervisor.Supervisor(argv, state_dir, log_path=log_path, policy=policy).run()
-        )
-    except supervisor.AlreadySupervised as exc:
-        err(f"a supervisor (pid {exc.holder}) already runs on the state directory {state_dir}")
-        return EXIT_FAIL
-    except OSError as exc:
-        err(f"cannot supervise in {state_dir}: {exc.strerror or exc}")
-        return EXIT_FAIL
+    return supervisor.run_from_args(args)
 
 
 # ---------------------------------------------------------------------------------------- cost
@@ -418,28 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_check)
 
-    sv = sub.add_parser(
-        "supervise",
-        help="run the agent, restarting it when it fails (containers without systemd)",
-        description="Run `libreyolo-agent run JOB`; start it again, after a backoff, when it "
-        "fails or is killed, not after exit 0 (the job ended) or 2 (bad job file). Exit 0 the "
-        "job ended or SIGTERM/SIGINT (passed on to the agent), 1 gave up or another supervisor "
-        "runs, 2 bad job file. Files: supervisor.pid, supervisor.json in the state directory.",
-    )
-    sv.add_argument("job", help="job file (TOML)")
-    sv.add_argument(
-        "--log",
-        metavar="FILE",
-        help="append the agent's output here (default: supervisor.log in the state directory)",
-    )
-    for flag, kind, default, text in (
-        ("--max-restarts", int, 10, "give up after N restarts in a row (none up --min-uptime)"),
-        ("--first-backoff", float, 5.0, "seconds before the first restart; doubles each time"),
-        ("--max-backoff", float, 300.0, "the longest wait before a restart, seconds"),
-        ("--min-uptime", float, 60.0, "seconds up that reset the count of restarts in a row"),
-    ):
-        sv.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default:g})")
-    sv.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
+    from .supervisor import DESCRIPTION, HELP, add_arguments
+
+    sv = sub.add_parser("supervise", help=HELP, description=DESCRIPTION)
+    add_arguments(sv)
     sv.set_defaults(func=cmd_supervise)
 
     for name, func, text in (

@@ -49,7 +49,6 @@ SIGINT end the guard after its current step.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -62,7 +61,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import logutil
 from .config import TeardownAction, TeardownSection, as_action, format_duration
@@ -89,8 +88,6 @@ from .guardplan import (
     read_plan,
     write_plan,
 )
-from .providers import Provider, ProviderError, TeardownResult
-from .restart import reopen_unconfirmed
 from .state import (
     Phase,
     Reason,
@@ -101,7 +98,14 @@ from .state import (
     lock_with_pid,
     transition,
 )
-from .teardown import NOT_CONFIRMED, carry_out, is_open, make_teardown_provider
+
+if TYPE_CHECKING:
+    from .providers import Provider, TeardownResult
+
+# While it waits, the guard holds only what a look needs (issue 26: every process of ours
+# together under 80 MiB PSS): asyncio, the providers, the teardown and agent.guardsave are
+# imported when it acts (tests/test_guard_save.py and tests/test_guard.py check what a waiting
+# guard holds).
 
 # The agent's side stays importable from here: ``guard.write_plan(...)`` in agent/daemon.py.
 __all__ = [
@@ -151,6 +155,20 @@ REPEAT_OPEN_S = 1800.0
 _PAST: dict[TeardownAction, str] = {"stop": "stopped", "destroy": "destroyed", "keep": "kept"}
 
 
+def _is_open(record: dict[str, Any] | None) -> bool:
+    """:func:`agent.teardown.is_open`, imported once a job's phase is terminal."""
+    from .teardown import is_open
+
+    return is_open(record)
+
+
+def _reopen_unconfirmed(state: RunState, now: float, *, say: bool) -> bool:
+    """:func:`agent.restart.reopen_unconfirmed`, imported once state.json says DONE."""
+    from .restart import reopen_unconfirmed
+
+    return reopen_unconfirmed(state, now, say=say)
+
+
 class GuardRunning(Exception):
     """Another guard holds the state directory's ``guard.lock`` (its pid in ``holder``)."""
 
@@ -171,14 +189,14 @@ class Guard:
         state_dir: Path,
         *,
         clock: Callable[[], float] = time.time,
-        provider_factory: Callable[[TeardownSection], Provider] = make_teardown_provider,
+        provider_factory: Callable[[TeardownSection], Provider] | None = None,
         stop: threading.Event | None = None,
         lock_fd: int | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.store = StateStore(state_dir)
         self.clock = clock
-        self.provider_factory = provider_factory
+        self._provider_factory = provider_factory
         self.stop = stop or threading.Event()
         self.lock_fd = lock_fd
         self.attempts = 0
@@ -187,6 +205,15 @@ class Guard:
         #: agent.lock was found held by a silent process once; acting needs a second look.
         self._held_by_silent: str | None = None
         self._said_reopened = False
+
+    def provider_factory(self, cfg: TeardownSection) -> Provider:
+        """The provider of ``cfg``: the one given, else the agent's
+        :func:`~agent.teardown.make_teardown_provider`, imported only when the guard acts."""
+        if self._provider_factory is None:
+            from .teardown import make_teardown_provider
+
+            self._provider_factory = make_teardown_provider
+        return self._provider_factory(cfg)
 
     # ---------------------------------------------------------------- loop
 
@@ -267,6 +294,8 @@ class Guard:
             state, _ = self._read_state()
             if agent_lock is not None and state is not None and self._ended(state):
                 return True
+            import asyncio  # only now: a waiting guard runs without it
+
             return asyncio.run(self._teardown(plan, verdict, state, owned=agent_lock is not None))
         finally:
             if agent_lock is not None:
@@ -275,6 +304,8 @@ class Guard:
     async def _teardown(
         self, plan: GuardPlan, verdict: Due, state: RunState | None, *, owned: bool
     ) -> bool:
+        from .teardown import NOT_CONFIRMED, carry_out
+
         self.attempts += 1
         cfg = plan.teardown_section()
         provider = self.provider_factory(cfg)
@@ -428,6 +459,8 @@ class Guard:
         """The teardown record to carry out, whether it resumes an earlier decision (which
         then stands: a record that says "sent" is only read back), and a result when nothing
         is left to send."""
+        from .providers import TeardownResult
+
         previous = self._read_record()
         if previous is not None and previous.get("job_started_at") == plan.started_at:
             own = previous.get("teardown")
@@ -470,6 +503,8 @@ class Guard:
 
     async def _instance_id(self, provider: Provider) -> str | None:
         """This box's id at the provider, for the record (a later attempt reads back that one)."""
+        from .providers import ProviderError
+
         try:
             return (await provider.identify()).instance_id
         except ProviderError as exc:
@@ -493,7 +528,7 @@ class Guard:
         """The job ended: DONE (its teardown confirmed, or keep) or FAILED (a person must look).
         A DONE whose teardown was never confirmed (an older agent's) is not an end: the guard
         watches on (state.json is read as TEARDOWN then: agent/restart.py)."""
-        if state.phase == Phase.FAILED or (state.phase.terminal and not is_open(state.teardown)):
+        if state.phase == Phase.FAILED or (state.phase.terminal and not _is_open(state.teardown)):
             reason = state.reason.value if state.reason else None
             log.info("guard: job ended (%s, reason %s); exiting", state.phase.value, reason)
             return True
@@ -504,7 +539,11 @@ class Guard:
             state = self.store.load()
             # An older agent's DONE with an unconfirmed teardown is read as TEARDOWN (said once).
             said = self._said_reopened
-            if state is not None and reopen_unconfirmed(state, self.clock(), say=not said):
+            if (
+                state is not None
+                and state.phase == Phase.DONE  # reopen_unconfirmed's case, imported for it only
+                and _reopen_unconfirmed(state, self.clock(), say=not said)
+            ):
                 self._said_reopened = True
             return state, None
         except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -13,7 +13,6 @@ from typing import Any, Literal
 from .config import TeardownAction, format_duration
 from .guardplan import GuardPlan
 from .state import Phase, Reason, RunState
-from .teardown import NOT_CONFIRMED, is_open
 
 #: Where the guard stands at one look: alive agent, dead agent before the deadline, due.
 DueKind = Literal["alive", "before_deadline", "no_deadline_wait", "held", "due"]
@@ -54,6 +53,9 @@ def due(plan: GuardPlan, *, now: float, alive_at: float, state: RunState | None 
     if silent < plan.stale_after_s:
         return Due("alive", f"agent alive (heartbeat {format_duration(silent)} ago)")
     dead = f"agent dead since {when(alive_at)}"
+    if state is not None and state.phase == Phase.TEARDOWN:
+        # Imported here: a waiting guard (a job in training) never needs the teardown module.
+        from .teardown import NOT_CONFIRMED, is_open
     if state is not None and state.phase == Phase.TEARDOWN and is_open(state.teardown):
         td = state.teardown or {}
         return Due("due", f"{dead}, with its {td.get('action')} teardown {NOT_CONFIRMED}")

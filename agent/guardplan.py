@@ -23,7 +23,6 @@ Timing can be tuned through the environment the **agent** reads when it writes t
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import json
 import logging
@@ -31,13 +30,13 @@ import math
 import os
 import signal
 import sys
-import sysconfig
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .childenv import child_env as _child_env
 from .config import Job, TeardownSection, parse_duration
 from .state import atomic_write_json
 
@@ -63,8 +62,6 @@ STALE_AFTER_ENV = "LIBREYOLO_AGENT_GUARD_STALE_AFTER"
 MARGIN_ENV = "LIBREYOLO_AGENT_GUARD_MARGIN"
 #: How long the guard's upload of ``last.pt`` may take (agent/guardsave.py reads it).
 SAVE_TIMEOUT_ENV = "LIBREYOLO_AGENT_GUARD_SAVE_TIMEOUT"
-#: Fault injection is for the agent; a guard must never inherit it.
-_CRASHPOINT_ENV = "LIBREYOLO_AGENT_CRASHPOINT"
 
 
 # ----------------------------------------------------------------------------------- the plan
@@ -257,6 +254,8 @@ async def heartbeat_task(state_dir: Path, every_s: float) -> None:
     """The agent's long-lived task: beat every ``every_s`` seconds and keep the guard running
     (a guard that died is started again; an exited one is reaped). Never raises; runs until
     cancelled. A beat that cannot be written is logged once per distinct error."""
+    import asyncio  # here: the guard imports this module, and waits without asyncio
+
     said: str | None = None
     while True:
         try:
@@ -308,18 +307,6 @@ def _child_running(pid: int) -> bool:
     except ChildProcessError:
         return False
     return done == 0
-
-
-def _child_env() -> dict[str, str]:
-    """The agent's environment (provider keys come from it, never from a file), without the
-    fault injection, and with this very ``agent`` package importable first."""
-    env = {k: v for k, v in os.environ.items() if k != _CRASHPOINT_ENV}
-    root = str(Path(__file__).resolve().parent.parent)
-    site_dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    if root not in site_dirs:  # a source checkout: the guard must run the agent's own code
-        old = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = root + (os.pathsep + old if old else "")
-    return env
 
 
 def _spawn(state_dir: Path) -> int:

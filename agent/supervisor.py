@@ -43,15 +43,24 @@ re-attaches to a live trainer, or resumes from ``last.pt`` after a reboot)::
         </dev/null >/dev/null 2>&1
 
 Running it again while a supervisor lives is harmless: the second one exits at once.
+
+It lives as long as the job, so it is kept small (issue 26: every process of ours together under
+80 MiB PSS): ``libreyolo-agent supervise`` enters here before the rest of the CLI is imported
+(:func:`main`, dispatched from the top of agent/cli.py and by agent/entry.py); the job file is
+checked in a forked child that exits (the job parser, and a bad job's teardown, never stay in
+this process); the loop waits on the agent's pidfd and a signal pipe with ``select`` instead of
+asyncio. It imports the standard library's ``subprocess``, ``logging`` and ``argparse``, and of
+the agent only :mod:`agent.logutil`, :mod:`agent.state` and :mod:`agent.childenv`
+(tests/test_supervisor.py checks what a running supervisor holds).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -59,12 +68,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import logutil
-from .config import ConfigError, ConfigErrors
-from .guardplan import _child_env
+from .childenv import child_env
 from .state import atomic_write_json, lock_with_pid
+
+if TYPE_CHECKING:
+    import argparse
 
 log = logging.getLogger("agent.supervisor")
 
@@ -72,6 +83,8 @@ PID_FILE = "supervisor.pid"
 STATE_FILE = "supervisor.json"
 LOG_FILE = "supervisor.log"
 
+#: agent.config.DEFAULT_STATE_DIR, without importing the job's configuration for it.
+DEFAULT_STATE_DIR = "/var/lib/libreyolo-agent"
 #: The agent's exit code for a bad job file: a restart cannot fix it.
 EXIT_BAD_JOB = 2
 #: How many of the latest exits supervisor.json keeps.
@@ -131,8 +144,8 @@ class Policy:
     ) -> Policy:
         """From the command line's values; raises :class:`~agent.config.ConfigError` naming each
         option out of range."""
-        errors = [
-            ConfigError(option, f"must be {what}, not {value:g}")
+        wrong = [
+            (option, f"must be {what}, not {value:g}")
             for option, value, what, ok in (
                 ("--max-restarts", max_restarts, "0 or more", max_restarts >= 0),
                 ("--first-backoff", first_backoff_s, "more than 0", first_backoff_s > 0),
@@ -141,8 +154,10 @@ class Policy:
             )
             if not ok  # NaN is never ok
         ]
-        if errors:
-            raise ConfigErrors(errors)
+        if wrong:  # the job's error types, imported on this path only
+            from .jobvalues import ConfigError, ConfigErrors
+
+            raise ConfigErrors([ConfigError(option, why) for option, why in wrong])
         return cls(max_restarts, first_backoff_s, max_backoff_s, min_uptime_s)
 
     def backoff_s(self, in_a_row: int) -> float:
@@ -214,7 +229,7 @@ class Supervisor:
         self.state_dir = state_dir.absolute()
         self.log_path = (log_path or self.state_dir / LOG_FILE).absolute()
         self.policy = policy or Policy()
-        self.env = dict(env if env is not None else _child_env())
+        self.env = dict(env if env is not None else child_env())
         self.env["LIBREYOLO_AGENT_STATE_DIR"] = str(self.state_dir)
         self.clock = clock
         self.record: dict[str, Any] = {
@@ -231,8 +246,10 @@ class Supervisor:
             "next_restart_at": None,
             "exits": [],
         }
-        self._signals: asyncio.Queue[signal.Signals] | None = None
-        self._stop: asyncio.Event | None = None
+        #: Signals received and not yet passed on; set by the handler, read by the loop.
+        self._pending: list[signal.Signals] = []
+        self._stopped = False
+        self._wake_r = -1
 
     def lock(self) -> int:
         """Create the state directory and take ``supervisor.pid``; raises
@@ -240,9 +257,10 @@ class Supervisor:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return lock_with_pid(self.state_dir / PID_FILE, held=AlreadySupervised)
 
-    async def run(self) -> int:
+    def run(self) -> int:
         """Hold the pid file and supervise until the agent is done; the exit code: 0 finished
-        or stopped, 1 gave up, 2 bad job. Raises :class:`AlreadySupervised`."""
+        or stopped, 1 gave up, 2 bad job. Raises :class:`AlreadySupervised`. Call it from the
+        main thread (it handles SIGTERM and SIGINT)."""
         lock = self.lock()
         try:
             log_fd = os.open(
@@ -253,8 +271,8 @@ class Supervisor:
                 handler.setFormatter(
                     logging.Formatter("%(asctime)s supervisor: %(message)s", "%Y-%m-%d %H:%M:%S")
                 )
-                with logutil.to_file(handler):
-                    return await self._supervise(log_fd)
+                with logutil.to_file(handler), self._signal_pipe():
+                    return self._supervise(log_fd)
             finally:
                 os.close(log_fd)
         finally:
@@ -262,63 +280,80 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------ the loop
 
-    async def _supervise(self, log_fd: int) -> int:
-        loop = asyncio.get_running_loop()
-        self._signals = asyncio.Queue()
-        self._stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+    @contextlib.contextmanager
+    def _signal_pipe(self) -> Any:
+        """SIGTERM and SIGINT noted by a handler and written to a pipe, which wakes ``select``
+        in the loop; the previous handlers and wake-up fd come back afterwards."""
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._wake_r = r
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            signal.set_wakeup_fd(old_fd)
+            os.close(r)
+            os.close(w)
+            self._wake_r = -1
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stopped = True
+        self._pending.append(signal.Signals(signum))
+
+    def _wait(self, fds: list[int], timeout: float | None) -> None:
+        """Until one of ``fds`` or the signal pipe is readable, a signal came, or ``timeout``."""
+        if self._pending:
+            return
+        with contextlib.suppress(InterruptedError):
+            ready, _, _ = select.select([self._wake_r, *fds], [], [], timeout)
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 512)
+
+    def _supervise(self, log_fd: int) -> int:
         log.info(
             "supervising %s (pid %d; state in %s)", " ".join(self.argv), os.getpid(), self.state_dir
         )
-        try:
-            while True:
-                started = self.clock()
-                code = await self._run_agent(log_fd)
-                uptime = self.clock() - started
-                self._note_exit(code, uptime)
-                if self._stop.is_set():
-                    log.info("agent %s; stopped as asked, not restarting", describe_exit(code))
-                    self._save(state="stopped")
-                    return 0
-                verdict = self.policy.after_exit(
-                    code, uptime, int(self.record["restarts_in_a_row"])
-                )
-                self.record["restarts_in_a_row"] = verdict.in_a_row
-                if not verdict.restart:
-                    log.info("agent %s after %.0fs: %s", describe_exit(code), uptime, verdict.why)
-                    self._save(state=verdict.state)
-                    return {"finished": 0, "bad_job": EXIT_BAD_JOB}.get(verdict.state, 1)
-                self._save(state="waiting", next_restart_at=self.clock() + verdict.delay_s)
-                log.warning(
-                    "agent %s after %.0fs; %s, in %.1fs",
-                    describe_exit(code),
-                    uptime,
-                    verdict.why,
-                    verdict.delay_s,
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), verdict.delay_s)
-                if self._stop.is_set():
-                    log.info("stopped as asked while waiting; not restarting")
-                    self._save(state="stopped", next_restart_at=None)
-                    return 0
-                self.record["restarts"] += 1
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        while True:
+            started = self.clock()
+            code = self._run_agent(log_fd)
+            uptime = self.clock() - started
+            self._note_exit(code, uptime)
+            if self._stopped:
+                log.info("agent %s; stopped as asked, not restarting", describe_exit(code))
+                self._save(state="stopped")
+                return 0
+            verdict = self.policy.after_exit(code, uptime, int(self.record["restarts_in_a_row"]))
+            self.record["restarts_in_a_row"] = verdict.in_a_row
+            if not verdict.restart:
+                log.info("agent %s after %.0fs: %s", describe_exit(code), uptime, verdict.why)
+                self._save(state=verdict.state)
+                return {"finished": 0, "bad_job": EXIT_BAD_JOB}.get(verdict.state, 1)
+            self._save(state="waiting", next_restart_at=self.clock() + verdict.delay_s)
+            log.warning(
+                "agent %s after %.0fs; %s, in %.1fs",
+                describe_exit(code),
+                uptime,
+                verdict.why,
+                verdict.delay_s,
+            )
+            until = time.monotonic() + verdict.delay_s
+            while not self._stopped and (left := until - time.monotonic()) > 0:
+                self._wait([], left)
+            self._pending.clear()  # nothing runs to pass them on to
+            if self._stopped:
+                log.info("stopped as asked while waiting; not restarting")
+                self._save(state="stopped", next_restart_at=None)
+                return 0
+            self.record["restarts"] += 1
 
-    def _on_signal(self, sig: signal.Signals) -> None:
-        assert self._signals is not None and self._stop is not None
-        self._stop.set()
-        self._signals.put_nowait(sig)
-
-    async def _run_agent(self, log_fd: int) -> int:
+    def _run_agent(self, log_fd: int) -> int:
         """Start the agent, forward every signal the supervisor gets to it, return its exit
         code (negative: the signal that killed it)."""
-        assert self._signals is not None
-        proc = await asyncio.create_subprocess_exec(
-            *self.argv,
+        proc = subprocess.Popen(
+            self.argv,
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=log_fd,
@@ -327,22 +362,24 @@ class Supervisor:
         )
         self._save(state="running", agent_pid=proc.pid, agent_started_at=self.clock())
         log.info("agent started (pid %d)", proc.pid)
-        exited = asyncio.create_task(proc.wait())
+        try:
+            exited: list[int] = [os.pidfd_open(proc.pid)]
+        except (AttributeError, OSError):  # no pidfd (old kernel, a seccomp filter): poll
+            exited = []
         try:
             while True:
-                got = asyncio.create_task(self._signals.get())
-                done, _ = await asyncio.wait({exited, got}, return_when=asyncio.FIRST_COMPLETED)
-                if got in done:
-                    sig = got.result()
+                while self._pending:
+                    sig = self._pending.pop(0)
                     log.info("%s received: passing it on to the agent (pid %d)", sig.name, proc.pid)
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(sig)
-                if exited in done:
-                    got.cancel()
-                    return exited.result()
+                code = proc.poll()
+                if code is not None:
+                    return code
+                self._wait(exited, None if exited else 0.2)
         finally:
-            if not exited.done():  # cancelled: the agent goes on; do not leave a task behind
-                exited.cancel()
+            for fd in exited:
+                os.close(fd)
 
     # ------------------------------------------------------------------------------ the record
 
@@ -375,3 +412,128 @@ def read_record(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------------------- the command line
+
+HELP = "run the agent, restarting it when it fails (containers without systemd)"
+DESCRIPTION = (
+    "Run `libreyolo-agent run JOB`; start it again, after a backoff, when it "
+    "fails or is killed, not after exit 0 (the job ended) or 2 (bad job file). Exit 0 the "
+    "job ended or SIGTERM/SIGINT (passed on to the agent), 1 gave up or another supervisor "
+    "runs, 2 bad job file. Files: supervisor.pid, supervisor.json in the state directory."
+)
+
+
+def add_arguments(sv: argparse.ArgumentParser) -> None:
+    """``supervise``'s options (agent/cli.py's subcommand and :func:`main` share them)."""
+    sv.add_argument("job", help="job file (TOML)")
+    sv.add_argument(
+        "--log",
+        metavar="FILE",
+        help="append the agent's output here (default: supervisor.log in the state directory)",
+    )
+    for flag, kind, default, text in (
+        ("--max-restarts", int, 10, "give up after N restarts in a row (none up --min-uptime)"),
+        ("--first-backoff", float, 5.0, "seconds before the first restart; doubles each time"),
+        ("--max-backoff", float, 300.0, "the longest wait before a restart, seconds"),
+        ("--min-uptime", float, 60.0, "seconds up that reset the count of restarts in a row"),
+    ):
+        sv.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default:g})")
+    sv.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
+
+
+def _err(message: str) -> None:
+    from .client import err  # only on the way out: the CLI's one way of saying what went wrong
+
+    err(message)
+
+
+def check_job(job: Path) -> int:
+    """The job file read and checked in a forked child, which exits: 0 good; 2 bad (every
+    mistake printed, and on a rented box the failure teardown decision, as ``run`` does:
+    agent/cli.py's ``_bad_job``); 1 the check itself failed. The parser and its imports never
+    stay in the supervisor."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: no thread runs yet in the supervisor, so forking is safe
+        code = 1
+        try:
+            from .cli import _bad_job, _load
+            from .client import err
+            from .config import ConfigError, Env
+
+            try:
+                _load(str(job))
+            except ConfigError as exc:
+                code = _bad_job(str(job), exc, supervised=True)
+            else:
+                try:
+                    Env.from_environ()  # a bad HF_ENDPOINT: exit 2 here too, as before
+                    code = 0
+                except ConfigError as exc:
+                    for error in exc.errors:
+                        err(str(error))
+                    code = EXIT_BAD_JOB
+        except BaseException:  # the same traceback the supervisor itself would have printed
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status)
+        except InterruptedError:
+            continue
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``libreyolo-agent supervise``: the options checked, the job file checked (exit 2 before
+    anything starts), then :meth:`Supervisor.run`."""
+    policy = Policy.from_options(  # ConfigError: one line each, exit 2 (the caller)
+        args.max_restarts, args.first_backoff, args.max_backoff, args.min_uptime
+    )
+    job = Path(args.job).absolute()
+    logutil.configure_console(args.verbose)
+    checked = check_job(job)
+    if checked != 0:
+        return checked if checked > 0 else 1
+    state_dir = Path(os.environ.get("LIBREYOLO_AGENT_STATE_DIR") or DEFAULT_STATE_DIR)
+    argv = agent_argv(job, verbose=args.verbose)
+    log_path = Path(args.log) if args.log else None
+    try:
+        return Supervisor(argv, state_dir, log_path=log_path, policy=policy).run()
+    except AlreadySupervised as exc:
+        _err(f"a supervisor (pid {exc.holder}) already runs on the state directory {state_dir}")
+        return 1
+    except OSError as exc:
+        _err(f"cannot supervise in {state_dir}: {exc.strerror or exc}")
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``libreyolo-agent supervise ...`` without the rest of the CLI (agent/cli.py dispatches
+    here first); ``argv`` without the word ``supervise``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="libreyolo-agent supervise", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except KeyboardInterrupt:
+        return 1
+    except Exception as exc:
+        from .jobvalues import ConfigError
+
+        if not isinstance(exc, ConfigError):
+            raise
+        for error in exc.errors:  # a bad option: one line each
+            _err(str(error))
+        return EXIT_BAD_JOB

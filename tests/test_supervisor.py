@@ -48,14 +48,14 @@ sys.exit(int(what))
 
 # The supervisor in a process of its own (real signals), supervising the stand-in.
 RUN_SUPERVISOR = """
-import asyncio, json, sys
+import json, sys
 from pathlib import Path
 from agent import logutil
 from agent.supervisor import Policy, Supervisor
 cfg = json.loads(sys.argv[1])
 logutil.configure_console(False)
 sup = Supervisor(cfg["argv"], Path(cfg["state_dir"]), policy=Policy(**cfg["policy"]))
-sys.exit(asyncio.run(sup.run()))
+sys.exit(sup.run())
 """
 
 
@@ -313,6 +313,87 @@ def test_a_bad_option_or_job_file_is_exit_2_before_anything_starts(tmp_path: Pat
     assert not (state_dir / LOG_FILE).exists()
     state = json.loads((state_dir / "state.json").read_text())
     assert state["reason"] == "preflight_failed" and state["cause"].startswith("bad job file")
+
+
+# ``python -m agent.cli supervise JOB`` as the bootstrap runs it, its agent a stand-in that exits
+# 0 at once (the one thing swapped: agent_argv); at its exit the supervisor writes the modules it
+# held.
+RUN_CLI_SUPERVISE = """
+import atexit, json, runpy, sys
+import agent.supervisor
+out, stand_in = sys.argv[1], json.loads(sys.argv[2])
+agent.supervisor.agent_argv = lambda job, verbose=False: stand_in
+atexit.register(lambda: open(out, "w").write("\\n".join(sorted(sys.modules))))
+sys.argv = ["agent.cli", "supervise", *sys.argv[3:]]
+runpy.run_module("agent.cli", run_name="__main__", alter_sys=True)
+"""
+
+#: What the supervisor, alive for the whole job, must not hold (issue 26: our processes
+#: together under 80 MiB PSS): the CLI and the job parser (the job file is checked in a forked
+#: child that exits), asyncio (its loop waits with select on a pidfd), the guard's plan.
+NOT_IN_THE_SUPERVISOR = (
+    "asyncio",
+    "tomllib",
+    "agent.cli",
+    "agent.client",
+    "agent.config",
+    "agent.jobfile",
+    "agent.jobvalues",
+    "agent.guardplan",
+    "agent.badjob",
+    "agent.demo",
+)
+
+
+def test_the_supervisor_holds_neither_the_cli_nor_the_job_parser_nor_asyncio(
+    tmp_path: Path, dataset: Path
+) -> None:
+    job = job_toml(tmp_path, dataset, epochs=1)
+    state_dir = tmp_path / "state"
+    out = tmp_path / "modules.txt"
+    stand_in = [sys.executable, "-c", "print('stand-in agent')"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_CLI_SUPERVISE, str(out), json.dumps(stand_in), str(job)],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=agent_env(state_dir),
+        start_new_session=True,
+    )
+    with reaped(proc):
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    rec = read_record(state_dir)
+    assert rec is not None and rec["state"] == "finished" and rec["argv"] == stand_in
+    assert "stand-in agent" in (state_dir / LOG_FILE).read_text()
+    held = set(out.read_text().split())
+    assert "agent.supervisor" in held and "subprocess" in held  # the list is the real one
+    assert (
+        sorted(
+            m
+            for m in held
+            if m.split(".")[0] in NOT_IN_THE_SUPERVISOR or m in NOT_IN_THE_SUPERVISOR
+        )
+        == []
+    )
+
+
+def test_the_console_script_enters_the_supervisor_without_the_cli(tmp_path: Path) -> None:
+    # pyproject's libreyolo-agent is agent.entry:main: supervise goes straight to the supervisor.
+    code = (
+        "import sys\n"
+        "from agent import entry\n"
+        "sys.argv = ['libreyolo-agent', 'supervise', '--max-restarts', '-1', 'job.toml']\n"
+        "code = entry.main()\n"
+        "print(code, 'agent.cli' in sys.modules, 'asyncio' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["2", "False", "False"], out.stderr
+    assert "--max-restarts: must be 0 or more" in out.stderr
 
 
 @requires_libreyolo
