@@ -325,11 +325,14 @@ def test_a_pid_reused_by_another_process_is_never_signalled_and_unsaved_work_is_
 
 
 def test_the_waiting_guard_imports_no_sink_no_notifier_and_no_psutil() -> None:
+    # Nor asyncio, the providers, the teardown or restart modules (issue 26: memory): imported
+    # when it acts.
     code = (
         "import sys, agent.guard\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('psutil', 'aiohttp', "
-        "'huggingface_hub') or m in ('agent.guardsave', 'agent.sinks', 'agent.notify', "
-        "'agent.jobfile', 'agent.trainer')]\n"
+        "'huggingface_hub', 'asyncio') or m in ('agent.guardsave', 'agent.sinks', "
+        "'agent.notify', 'agent.jobfile', 'agent.trainer', 'agent.teardown', "
+        "'agent.providers', 'agent.restart')]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
