@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import diskwatch
 from .config import Env, Job, LimitsSection
@@ -56,6 +56,7 @@ from .trainer import (
 )
 
 log = logging.getLogger("agent.daemon")
+T = TypeVar("T")
 
 #: After a cloud preemption notice was handled, how long the agent waits for the box to go
 #: before it decides the box survived and resumes training on it, seconds.
@@ -98,6 +99,8 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
     disk_stop: str | None
     hung_at_exit: bool
     _exit_code: int | None
+    #: The wait for the followed trainer's exit, while it is followed (:meth:`_observed`).
+    _exit_task: asyncio.Future[Any] | None = None
 
     def _save(self, *, required: bool = False) -> None:
         raise NotImplementedError
@@ -191,6 +194,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         if self.run_dir is not None:
             watcher.watch(self.run_dir)
         exit_task = asyncio.ensure_future(trainer.wait())
+        self._exit_task = exit_task
         stop_reason: Reason | None = None
         stop_task: asyncio.Future[str] | None = None
         completed_seen: float | None = None
@@ -231,6 +235,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 await stop_task
         finally:
             watcher.stop()
+            self._exit_task = None
             if not exit_task.done():
                 exit_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -291,7 +296,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             log.error("%s: stopping the trainer", bad_data)
             return Reason.PREFLIGHT_FAILED
         if self.gpu is not None and self.box_fault is None:
-            faults = await asyncio.to_thread(self.gpu.faults)
+            faults = await self._observed(asyncio.to_thread(self.gpu.faults), [])
             if faults:
                 self.box_fault = "; ".join(f.message for f in faults)
                 self.breach_message = f"GPU fault: {self.box_fault}"
@@ -303,21 +308,16 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             self.breach_message = self.disk_stop  # it says "disk full: ..." itself
             return Reason.DISK_FULL
         if self.progress is not None:
-            await asyncio.to_thread(
-                self.progress.observe,
-                status=self.status,
-                log_paths=self._log_paths(),
-                run_dir=self.run_dir,
-                pids=self.trainer.pids() if self.trainer else set(),
-            )
-            stall = self.progress.verdict()
+            observed = await self._observed(self._observe_progress(self.progress), False)
+            # Not observed: the trainer is gone, and the tracker may still be in its thread.
+            stall = self.progress.verdict() if observed else None
             if stall is not None:
                 self.breach_message = f"stalled: {stall.message}"
                 log.warning("%s; uploading what exists, then stopping the trainer", stall.message)
                 self.events.publish("stall", message=stall.message)
                 await self._save_now()
                 return Reason.STALLED
-        wrong_box = await self._sample_sizing()
+        wrong_box = await self._observed(self._sample_sizing(), None)
         if wrong_box is not None:
             self.breach_message = wrong_box
             log.error("%s: stopping the trainer", wrong_box)
@@ -349,6 +349,34 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             self.events.publish("warning", message=f"limit reached: {breach.message}")
             return breach.reason
         return None
+
+    async def _observed(self, work: Awaitable[T], gone: T) -> T:
+        """An observation of this turn's checks (NVML through its host, the progress sample,
+        the sizing sample: each a blocking call in a thread), or ``gone`` when the followed
+        trainer exits first. A slow or hung call (the NVML host waits 30 s for an answer) must
+        not hold the exit: once the trainer is gone the observation is moot, and its thread
+        ends on its own, its result dropped."""
+        task = asyncio.ensure_future(work)
+        exit_task = self._exit_task
+        if exit_task is None or task.done():
+            return await task
+        await asyncio.wait({task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        task.add_done_callback(_quiet)
+        log.debug("trainer exited during an observation of the turn: not waiting for it")
+        return gone
+
+    async def _observe_progress(self, progress: ProgressTracker) -> bool:
+        await asyncio.to_thread(
+            progress.observe,
+            status=self.status,
+            log_paths=self._log_paths(),
+            run_dir=self.run_dir,
+            pids=self.trainer.pids() if self.trainer else set(),
+        )
+        return True
 
     def _log_paths(self) -> list[Path]:
         paths = [self.store.path("trainer.log")]
@@ -602,6 +630,12 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 metric=status.best_metric,
                 metric_name=raw.get("best_metric_name"),
             )
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """An abandoned observation's end: its error (if any) is retrieved, not logged as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 #: ``_supervise_once`` results that are not a stop reason.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,54 @@ def test_the_trainers_exit_is_acted_on_at_once_not_at_the_next_poll(tmp_path: Pa
     assert asyncio.run(main()) == 0
     assert daemon.state.reason == Reason.COMPLETED
     assert daemon.state.phase == Phase.DONE
+
+
+class HungGpu:
+    """A GpuMonitor whose health read hangs, as an NVML call can in a driver that is tearing a
+    CUDA context down (the NVML host waits 30 s for an answer): until ``release``."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def faults(self) -> list[Any]:
+        self.entered.set()
+        self.release.wait(120)
+        return []
+
+    def samples(self) -> list[Any]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_exit_during_a_hung_gpu_read_is_acted_on_without_waiting_for_the_read(
+    tmp_path: Path,
+) -> None:
+    daemon, trainer, _, _ = make(tmp_path)
+    gpu = HungGpu()
+    daemon.gpu = gpu  # type: ignore[assignment]
+    daemon.poll_interval_s = 3600.0
+
+    async def main() -> tuple[int, bool]:
+        task = asyncio.create_task(daemon.run())
+        try:
+            await started(daemon)
+            await wait_for(gpu.entered.is_set, timeout=60)  # the turn waits on the GPU read
+            trainer.exit(0)
+            code = await asyncio.wait_for(asyncio.shield(task), 60)
+            return code, gpu.release.is_set()
+        finally:
+            gpu.release.set()  # the abandoned read ends; asyncio.run waits for its thread
+            await asyncio.wait_for(task, 60)
+
+    code, released = asyncio.run(main())
+    assert code == 0
+    assert not released  # the job ended while the read still hung
+    assert daemon.state.reason == Reason.COMPLETED
+    assert daemon.state.phase == Phase.DONE
+    assert daemon.box_fault is None
 
 
 def test_a_stop_request_stops_once_however_often_the_loop_turns(tmp_path: Path) -> None:
