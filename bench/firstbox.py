@@ -59,6 +59,7 @@ import tempfile
 import time
 import uuid
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +123,28 @@ def kill_marked(mark: str) -> None:
         time.sleep(0.2)
 
 
-def first_epoch(runs: Path, deadline: float) -> float | None:
-    """The monotonic time at which a run under ``runs`` reports epoch 1 done."""
+def agent_done(state: Path) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return bool(json.loads((state / "state.json").read_text()).get("phase") == "DONE")
+    return False
+
+
+def epoch_done(runs: Path) -> bool:
+    for status in runs.glob("*/status.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if int(json.loads(status.read_text()).get("completed_epochs") or 0) >= 1:
+                return True
+    return False
+
+
+def first_epoch(runs: Path, deadline: float, ended: Callable[[], bool]) -> float | None:
+    """The monotonic time at which a run under ``runs`` reports epoch 1 done (None: not before
+    the deadline, or ``ended()`` said the trainer or agent ended first)."""
     while time.monotonic() < deadline:
-        for status in runs.glob("*/status.json"):
-            with contextlib.suppress(OSError, ValueError):
-                if int(json.loads(status.read_text()).get("completed_epochs") or 0) >= 1:
-                    return time.monotonic()
+        if epoch_done(runs):
+            return time.monotonic()
+        if ended():
+            return None
         time.sleep(0.1)
     return None
 
@@ -183,7 +199,9 @@ p = hf_hub_download("{repo}", "{file}", repo_type="dataset")
 tarfile.open(p).extractall("{w}/data")
 '
 step train
-nohup {w}/venv/bin/libreyolo train {train} > {w}/train.log 2>&1 &
+export PATH="{w}/venv/bin:{Path(sys.executable).parent}:$PATH"  # the venv activated
+nohup libreyolo train {train} > {w}/train.log 2>&1 &
+echo "@pid $!"
 step end
 """
     benv = dict(env, HF_HOME=str(w / "hf"))
@@ -196,7 +214,10 @@ step end
     row["pip"] = steps["data"] - steps["pip"]
     row["data"] = steps["train"] - steps["data"]
     row["start"] = steps["train"] - run.t0
-    done = first_epoch(w / "runs", time.monotonic() + a.timeout)
+    pid = next(int(line.split()[1]) for _, line in run.lines if line.startswith("@pid "))
+    done = first_epoch(
+        w / "runs", time.monotonic() + a.timeout, lambda: not os.path.exists(f"/proc/{pid}")
+    )
     row["epoch1"] = None if done is None else done - run.t0
     return row
 
@@ -257,7 +278,7 @@ provider = "none"
         row["start"] = started[0] - run.t0
     if run.rc not in (0,):
         return row
-    done = first_epoch(w / "runs", time.monotonic() + a.timeout)
+    done = first_epoch(w / "runs", time.monotonic() + a.timeout, lambda: agent_done(state))
     row["epoch1"] = None if done is None else done - run.t0
     with contextlib.suppress(OSError, ValueError):
         st = json.loads((state / "state.json").read_text())
@@ -289,6 +310,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for epoch 1")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "firstbox-out"))
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the rounds' and serve's cleanup run
     cpu = a.device == "cpu"
     a.imgsz, a.batch, a.workers = (64, 4, 0) if cpu else (320, 16, 2)
     if not a.repo:
@@ -313,7 +335,10 @@ def main() -> int:
     notes = [opencv_standin(wheels), f"start line: {line}", f"repo: {a.repo}"]
     bin_dir = top / "bin"
     bin_dir.mkdir()
-    path = os.environ["PATH"]
+    # Last on PATH, the image's Python's own folder: a `libreyolo` the image holds (pip then
+    # finds it satisfied and writes none into the venv) is found there, as an activated image
+    # venv would find it.
+    path = f"{os.environ['PATH']}:{Path(sys.executable).parent}"
     if cpu:  # the image's torch kept as on a GPU box (install.sh's decision reads nvidia-smi)
         smi = bin_dir / "nvidia-smi"
         smi.write_text('#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n')
