@@ -5,16 +5,28 @@ The trainer's exit starts the billed path to the teardown call, so it is noticed
 does not (a kernel before 5.3, a container's seccomp filter, gVisor), ``waitid`` in a thread for
 our own child (a trainer this agent launched), and only for someone else's child (a trainer
 re-attached after an agent restart) a short poll.
+
+And nothing the supervision loop observes in a turn holds the exit (:func:`unless_exited`): an
+NVML read through its host, the progress sample or the sizing sample that is under way when the
+trainer exits is not waited for (a hung NVML call is answered after 30 s), except the GPU health
+read after an exit that is not clean (it may say why the trainer died).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from .rundir import pid_alive
+
+log = logging.getLogger("agent.trainer")
+T = TypeVar("T")
+U = TypeVar("U")
 
 #: Without a pidfd, how often a trainer that is not our child (re-attached) is looked at,
 #: seconds (a 1 s poll noticed an exit 0.5 s late on average, each second of it billed).
@@ -73,3 +85,43 @@ async def child_exited(pid: int) -> bool:
 
     threading.Thread(target=block, name=f"wait-trainer-{pid}", daemon=True).start()
     return await done
+
+
+async def unless_exited(
+    work: Awaitable[T],
+    exit_task: asyncio.Future[Any] | None,
+    gone: U,
+    *,
+    unless_failed: bool = False,
+) -> T | U:
+    """``work`` (an observation of the supervision loop's turn: a blocking call in a thread), or
+    ``gone`` when ``exit_task`` (the wait for the trainer's exit) ends first. A slow or hung
+    call (the NVML host waits 30 s for an answer) must not hold the exit: once the trainer is
+    gone the observation is moot, and it ends on its own. ``unless_failed``: an exit that is not
+    clean (a code other than 0, or unknown) still waits for it (a GPU fault read may say why the
+    trainer died, and whether this box may run it again)."""
+    task = asyncio.ensure_future(work)
+    if exit_task is None or task.done():
+        return await task
+    await asyncio.wait({task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    if unless_failed and _exit_code(exit_task) != 0:
+        return await task
+    task.add_done_callback(_quiet)
+    log.debug("the trainer exited during an observation of the turn: not waiting for it")
+    return gone
+
+
+def _exit_code(exit_task: asyncio.Future[Any]) -> int | None:
+    if exit_task.cancelled() or exit_task.exception() is not None:
+        return None
+    code = exit_task.result()
+    return code if isinstance(code, int) else None
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """An observation nobody waits for any more: its error, if any, is retrieved, not logged as
+    never retrieved."""
+    if not task.cancelled():
+        task.exception()

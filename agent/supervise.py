@@ -26,6 +26,7 @@ from . import diskwatch
 from .config import Env, Job, LimitsSection
 from .doctor import DoctorBesideMixin
 from .events import EventBus
+from .exitwait import unless_exited
 from .gpuhealth import GpuMonitor
 from .limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
 from .preemption import Notice, PreemptionWatcher, detect
@@ -57,6 +58,7 @@ from .trainer import (
 
 log = logging.getLogger("agent.daemon")
 T = TypeVar("T")
+U = TypeVar("U")
 
 #: After a cloud preemption notice was handled, how long the agent waits for the box to go
 #: before it decides the box survived and resumes training on it, seconds.
@@ -296,8 +298,11 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             log.error("%s: stopping the trainer", bad_data)
             return Reason.PREFLIGHT_FAILED
         if self.gpu is not None and self.box_fault is None:
-            faults = await self._observed(asyncio.to_thread(self.gpu.faults), [])
-            if faults:
+            read = asyncio.ensure_future(asyncio.to_thread(self.gpu.faults))
+            faults = await self._observed(read, None, unless_failed=True)
+            if faults is None:  # a clean exit came first: what the read finds is kept for later
+                read.add_done_callback(self._late_faults)
+            elif faults:
                 self.box_fault = "; ".join(f.message for f in faults)
                 self.breach_message = f"GPU fault: {self.box_fault}"
                 log.error("%s: stopping the run (a box fault)", self.breach_message)
@@ -350,23 +355,21 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             return breach.reason
         return None
 
-    async def _observed(self, work: Awaitable[T], gone: T) -> T:
-        """An observation of this turn's checks (NVML through its host, the progress sample,
-        the sizing sample: each a blocking call in a thread), or ``gone`` when the followed
-        trainer exits first. A slow or hung call (the NVML host waits 30 s for an answer) must
-        not hold the exit: once the trainer is gone the observation is moot, and its thread
-        ends on its own, its result dropped."""
-        task = asyncio.ensure_future(work)
-        exit_task = self._exit_task
-        if exit_task is None or task.done():
-            return await task
-        await asyncio.wait({task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        task.add_done_callback(_quiet)
-        log.debug("trainer exited during an observation of the turn: not waiting for it")
-        return gone
+    async def _observed(self, work: Awaitable[T], gone: U, *, unless_failed: bool = False) -> T | U:
+        """This turn's observation (NVML through its host, the progress sample, the sizing
+        sample), unless the followed trainer exits first (:func:`exitwait.unless_exited`)."""
+        return await unless_exited(work, self._exit_task, gone, unless_failed=unless_failed)
+
+    def _late_faults(self, read: asyncio.Future[list[Any]]) -> None:
+        """The GPU health read the trainer's clean exit did not wait for: a fault it found is
+        still recorded (the teardown record says the box is bad)."""
+        if read.cancelled() or read.exception() is not None:
+            return
+        faults = read.result()
+        if faults and self.box_fault is None:
+            self.box_fault = "; ".join(f.message for f in faults)
+            log.error("GPU fault seen as the trainer exited: %s", self.box_fault)
+            self.events.publish("warning", message=f"GPU fault: {self.box_fault}")
 
     async def _observe_progress(self, progress: ProgressTracker) -> bool:
         await asyncio.to_thread(
@@ -630,12 +633,6 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 metric=status.best_metric,
                 metric_name=raw.get("best_metric_name"),
             )
-
-
-def _quiet(task: asyncio.Future[Any]) -> None:
-    """An abandoned observation's end: its error (if any) is retrieved, not logged as lost."""
-    if not task.cancelled():
-        task.exception()
 
 
 #: ``_supervise_once`` results that are not a stop reason.

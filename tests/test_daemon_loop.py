@@ -11,6 +11,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -210,16 +211,18 @@ def test_the_trainers_exit_is_acted_on_at_once_not_at_the_next_poll(tmp_path: Pa
 
 class HungGpu:
     """A GpuMonitor whose health read hangs, as an NVML call can in a driver that is tearing a
-    CUDA context down (the NVML host waits 30 s for an answer): until ``release``."""
+    CUDA context down (the NVML host waits 30 s for an answer), until ``release``; then it
+    reports ``found``."""
 
-    def __init__(self) -> None:
+    def __init__(self, found: list[str] | None = None) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.found = [SimpleNamespace(message=m) for m in found or []]
 
     def faults(self) -> list[Any]:
         self.entered.set()
         self.release.wait(120)
-        return []
+        return self.found
 
     def samples(self) -> list[Any]:
         return []
@@ -228,11 +231,14 @@ class HungGpu:
         pass
 
 
-def test_an_exit_during_a_hung_gpu_read_is_acted_on_without_waiting_for_the_read(
+XID = "GPU 0 (GPU-fake-0): Xid 79 (GPU has fallen off the bus)"
+
+
+def test_a_clean_exit_during_a_hung_gpu_read_is_acted_on_without_waiting_for_the_read(
     tmp_path: Path,
 ) -> None:
     daemon, trainer, _, _ = make(tmp_path)
-    gpu = HungGpu()
+    gpu = HungGpu(found=[XID])
     daemon.gpu = gpu  # type: ignore[assignment]
     daemon.poll_interval_s = 3600.0
 
@@ -245,15 +251,48 @@ def test_an_exit_during_a_hung_gpu_read_is_acted_on_without_waiting_for_the_read
             code = await asyncio.wait_for(asyncio.shield(task), 60)
             return code, gpu.release.is_set()
         finally:
-            gpu.release.set()  # the abandoned read ends; asyncio.run waits for its thread
+            gpu.release.set()  # the abandoned read ends; what it found is still recorded
             await asyncio.wait_for(task, 60)
+            await wait_for(lambda: daemon.box_fault is not None, timeout=60)
 
     code, released = asyncio.run(main())
     assert code == 0
     assert not released  # the job ended while the read still hung
     assert daemon.state.reason == Reason.COMPLETED
     assert daemon.state.phase == Phase.DONE
-    assert daemon.box_fault is None
+    assert daemon.box_fault == XID
+
+
+def test_a_failed_exit_during_a_gpu_read_waits_for_it_and_a_fault_is_not_resumed_here(
+    tmp_path: Path,
+) -> None:
+    # A trainer that died (exit 1) while the GPU read was under way: the read may say why (an
+    # Xid), and whether this box may run it again, so the agent waits for it.
+    daemon, trainer, launcher, _ = make(tmp_path)
+    gpu = HungGpu(found=[XID])
+    daemon.gpu = gpu  # type: ignore[assignment]
+    daemon.poll_interval_s = 3600.0
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        try:
+            await started(daemon)
+            await wait_for(gpu.entered.is_set, timeout=60)
+            trainer.exit(1)
+            await asyncio.sleep(0.3)
+            assert not task.done()  # waiting for the read
+            gpu.release.set()
+            return await asyncio.wait_for(task, 60)
+        finally:
+            gpu.release.set()
+            if not task.done():
+                task.cancel()
+
+    assert asyncio.run(main()) == 0
+    assert daemon.box_fault == XID
+    assert launcher.launches == 1  # a box fault: not resumed on this box
+    assert daemon.state.reason == Reason.TRAINING_FAILED
+    assert XID in (daemon.state.cause or "")
 
 
 def test_a_stop_request_stops_once_however_often_the_loop_turns(tmp_path: Path) -> None:
