@@ -29,7 +29,12 @@ import ctypes
 import json
 import signal
 import sys
-from typing import Any
+
+# The host imports as little as it can (issue 26: memory): ``typing`` (half a MiB in a process
+# this small) only for the type checker; the annotations are never evaluated.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # Return codes (nvml.h), as pynvml names them.
 NVML_SUCCESS = 0

@@ -297,6 +297,25 @@ def test_the_host_ends_when_the_agent_is_killed(box: Box, tmp_path: Path) -> Non
             agent.stdout.close()
 
 
+def test_the_host_imports_ctypes_json_and_signal_and_what_they_need_only() -> None:
+    # The host runs as long as the job: every module is memory of ours (issue 26). -X importtime
+    # lists what the real host process imports, up to its exit at the end of its input.
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-X", "importtime", nv.__file__],
+        input=b"",
+        capture_output=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in out.stderr.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert {"ctypes", "json", "signal"} <= imported
+    assert not imported & {"typing", "logging", "subprocess", "threading", "agent", "asyncio"}
+
+
 def test_requests_the_host_does_not_know_are_refused_not_fatal() -> None:
     lib = nv.Library("libnvidia-ml-not-here.so.1")
     assert nv.answer(lib, b'{"fn": "nvmlDeviceGetCount", "args": []}') == {
