@@ -402,11 +402,12 @@ def main() -> int:
                     + ", ".join(f"{k} {fmt(row.get(k))}" for k in ("rc", *COLS) if k in row),
                     flush=True,
                 )
-                for log in w.glob("*.log"):
+                for log in [*w.glob("*.log"), *w.glob("state/*.log"), *w.glob("state/*.out")]:
                     shutil.copy2(log, a.out / f"{recipe}{i}-{log.name}")
     finally:
         serve.terminate()
         serve.wait(timeout=30)
+        shutil.rmtree(top, ignore_errors=True)  # the rounds' venvs (their logs are in --out)
     print()
     print("\n".join(f"# {n}" for n in notes))
     head = f"{'recipe':<7}{'round':>6}" + "".join(f"{c:>10}" for c in COLS)
@@ -431,7 +432,6 @@ def main() -> int:
     else:
         print("no ratio: a recipe reached no first epoch (logs in " + str(a.out) + ")")
     bad = [r for r in rows if r.get("rc") != 0 or not r.get("epoch1") or r.get("again_ok") is False]
-    shutil.rmtree(top, ignore_errors=True)
     return 1 if bad else 0
 
 
