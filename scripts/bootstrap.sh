@@ -42,6 +42,9 @@
 #   LIBREYOLO_AGENT_STATE_DIR   default /var/lib/libreyolo-agent (supervisor.pid, logs)
 #   LIBREYOLO_AGENT_INIT      auto (systemd when PID 1 is systemd), systemd or container
 #   LIBREYOLO_AGENT_SYSTEMD_DIR where the unit goes (default /etc/systemd/system)
+#   PYTHON                    the interpreter install.sh builds the venv from; before the
+#                             venv exists, its huggingface_hub (when it has one) prefetches the
+#                             job's dataset into the Hub cache while pip works
 # install.sh's variables (TORCH_SPEC, PIP_ARGS, LIBREYOLO_EXTRAS, ...) pass through.
 #
 # Exit: 0 the agent runs (started now or already running); 1 a failure (install, fetch, lock);
