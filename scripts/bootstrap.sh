@@ -294,7 +294,7 @@ if grep -Eq '^[[:space:]]*\[dataset\]' "$job_dest" && ! agent_running; then
   prefetch
 fi
 
-# ---- install, with the LibreYOLO extras the job needs; then the job is checked
+# ---- install, with the LibreYOLO extras the job needs
 install_rc=0
 run_install --job "$job_dest" || install_rc=$?
 if [ "$install_rc" = 2 ] && [ "$install" = 1 ]; then
@@ -304,21 +304,6 @@ if [ "$install_rc" = 2 ] && [ "$install" = 1 ]; then
   run_install
 elif [ "$install_rc" != 0 ]; then
   exit "$install_rc"
-fi
-job_ok=1
-if ! "$venv/bin/libreyolo-agent" check "$job_dest"; then
-  job_ok=0
-  cat >&2 <<EOF
-bootstrap: ====================================================================================
-bootstrap: THE JOB FILE IS NOT VALID: $job_dest (from $source_desc); its errors are above.
-bootstrap: The agent is started all the same: it cannot train this job, so it takes the job's
-bootstrap: gated failure decision ([teardown] on_preflight_failure; where [teardown] itself cannot
-bootstrap: be read it keeps the box and says so), visible in its log, /status and notifications.
-bootstrap: Fix the job (check it on your laptop first: libreyolo-agent check JOB); the agent
-bootstrap: records this ending in $state_dir/state.json: remove that file before the fixed job
-bootstrap: can run on this box. This script exits 3 once the agent is started.
-bootstrap: ====================================================================================
-EOF
 fi
 
 # ---- start the agent, supervised
@@ -376,6 +361,25 @@ else
     "${launcher[@]}" "$venv/bin/libreyolo-agent" supervise "$job_dest" >>"$log" 2>&1 </dev/null 9>&- &
     say "started the supervisor (pid $!): log $log, state $state_dir"
   fi
+fi
+
+# ---- the job check: after the start, which does not wait for it (a job that fails it is
+# started all the same, and the agent takes the failure decision), so the agent's preflight and
+# staging are not delayed by it
+job_ok=1
+if ! "$venv/bin/libreyolo-agent" check "$job_dest"; then
+  job_ok=0
+  cat >&2 <<EOF
+bootstrap: ====================================================================================
+bootstrap: THE JOB FILE IS NOT VALID: $job_dest (from $source_desc); its errors are above.
+bootstrap: The agent is started all the same: it cannot train this job, so it takes the job's
+bootstrap: gated failure decision ([teardown] on_preflight_failure; where [teardown] itself cannot
+bootstrap: be read it keeps the box and says so), visible in its log, /status and notifications.
+bootstrap: Fix the job (check it on your laptop first: libreyolo-agent check JOB); the agent
+bootstrap: records this ending in $state_dir/state.json: remove that file before the fixed job
+bootstrap: can run on this box. This script exits 3 once the agent is started.
+bootstrap: ====================================================================================
+EOF
 fi
 
 state_opt=""

@@ -243,6 +243,14 @@ def fake_venv(root: Path) -> Path:
         '  echo $$ >"$LIBREYOLO_AGENT_STATE_DIR/supervisor.pid"\n'
         "  while :; do sleep 1; done\n"
         "fi\n"
+        # The job check, in a container: it records whether the supervisor was started before
+        # it (waiting up to 30 s for that start, which bootstrap does not wait for).
+        'if [ "$1" = check ] && [ "$LIBREYOLO_AGENT_INIT" = container ]; then\n'
+        '  started="$LIBREYOLO_AGENT_STATE_DIR/starts"\n'
+        '  for _ in $(seq 1 600); do [ -s "$started" ] && break; sleep 0.05; done\n'
+        '  if [ -s "$started" ]; then when=after; else when=before; fi\n'
+        '  echo "check $when the supervisor" >>"$LIBREYOLO_AGENT_STATE_DIR/checks"\n'
+        "fi\n"
         f'PYTHONPATH="{REPO_ROOT}" exec "{sys.executable}" -m agent.cli "$@"\n',
         encoding="utf-8",
     )
@@ -324,6 +332,9 @@ def test_bootstrap_in_a_container_starts_one_supervisor(supervisors: Path) -> No
     assert f"HF_HOME={root}/volume/.cache/huggingface token=set" in starts[0]
     assert TOKEN not in first.stdout + first.stderr + second.stdout + second.stderr
     assert not list((root / "etc").glob("env"))  # no secrets on disk without systemd
+    # The job check comes after the start: the agent's preflight does not wait for it.
+    checks = (root / "state" / "checks").read_text(encoding="utf-8").splitlines()
+    assert checks == ["check after the supervisor"] * 2
 
 
 def test_bootstrap_without_a_job_says_how_to_give_one(tmp_path: Path) -> None:
