@@ -8,8 +8,8 @@ re-attached after an agent restart) a short poll.
 
 And nothing the supervision loop observes in a turn holds the exit (:func:`unless_exited`): an
 NVML read through its host, the progress sample or the sizing sample that is under way when the
-trainer exits is not waited for (a hung NVML call is answered after 30 s), except the GPU health
-read after an exit that is not clean (it may say why the trainer died).
+trainer exits cleanly is not waited for (a hung NVML call is answered after 30 s); after any
+other exit it is (a GPU fault read may say why the trainer died; a resume follows).
 """
 
 from __future__ import annotations
@@ -88,25 +88,21 @@ async def child_exited(pid: int) -> bool:
 
 
 async def unless_exited(
-    work: Awaitable[T],
-    exit_task: asyncio.Future[Any] | None,
-    gone: U,
-    *,
-    unless_failed: bool = False,
+    work: Awaitable[T], exit_task: asyncio.Future[Any] | None, gone: U
 ) -> T | U:
     """``work`` (an observation of the supervision loop's turn: a blocking call in a thread), or
-    ``gone`` when ``exit_task`` (the wait for the trainer's exit) ends first. A slow or hung
-    call (the NVML host waits 30 s for an answer) must not hold the exit: once the trainer is
-    gone the observation is moot, and it ends on its own. ``unless_failed``: an exit that is not
-    clean (a code other than 0, or unknown) still waits for it (a GPU fault read may say why the
-    trainer died, and whether this box may run it again)."""
+    ``gone`` when ``exit_task`` (the wait for the trainer's exit) ends first with a clean exit
+    (code 0). A slow or hung call (the NVML host waits 30 s for an answer) must not hold a
+    completed run's way to its teardown: the observation is moot, and it ends on its own. Any
+    other exit still waits for it: a GPU fault read may say why the trainer died, and a resume
+    must not start while the last sample is still being taken in its thread."""
     task = asyncio.ensure_future(work)
     if exit_task is None or task.done():
         return await task
     await asyncio.wait({task, exit_task}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
         return task.result()
-    if unless_failed and _exit_code(exit_task) != 0:
+    if _exit_code(exit_task) != 0:
         return await task
     task.add_done_callback(_quiet)
     log.debug("the trainer exited during an observation of the turn: not waiting for it")

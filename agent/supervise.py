@@ -299,7 +299,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             return Reason.PREFLIGHT_FAILED
         if self.gpu is not None and self.box_fault is None:
             read = asyncio.ensure_future(asyncio.to_thread(self.gpu.faults))
-            faults = await self._observed(read, None, unless_failed=True)
+            faults = await self._observed(read, None)
             if faults is None:  # a clean exit came first: what the read finds is kept for later
                 read.add_done_callback(self._late_faults)
             elif faults:
@@ -314,7 +314,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             return Reason.DISK_FULL
         if self.progress is not None:
             observed = await self._observed(self._observe_progress(self.progress), False)
-            # Not observed: the trainer is gone, and the tracker may still be in its thread.
+            # Not observed: the run completed, and the tracker may still be in its thread.
             stall = self.progress.verdict() if observed else None
             if stall is not None:
                 self.breach_message = f"stalled: {stall.message}"
@@ -355,10 +355,10 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             return breach.reason
         return None
 
-    async def _observed(self, work: Awaitable[T], gone: U, *, unless_failed: bool = False) -> T | U:
+    async def _observed(self, work: Awaitable[T], gone: U) -> T | U:
         """This turn's observation (NVML through its host, the progress sample, the sizing
-        sample), unless the followed trainer exits first (:func:`exitwait.unless_exited`)."""
-        return await unless_exited(work, self._exit_task, gone, unless_failed=unless_failed)
+        sample), unless the followed trainer exits cleanly first (:func:`unless_exited`)."""
+        return await unless_exited(work, self._exit_task, gone)
 
     def _late_faults(self, read: asyncio.Future[list[Any]]) -> None:
         """The GPU health read the trainer's clean exit did not wait for: a fault it found is
