@@ -14,7 +14,9 @@
 # Otherwise the newest PyTorch CUDA build the driver runs is installed, before libreyolo, so pip
 # never picks a torch by itself. Without nvidia-smi: PyTorch's CPU wheels where its CPU index
 # answers (5 s at most), else the default build. The choice and its reason are printed
-# (agent/torchpick.py holds the tables). Running it again changes nothing.
+# (agent/torchpick.py holds the tables). Running it again changes nothing, and runs no pip when
+# the venv's stamp (.libreyolo-agent-install: what the last complete install was made from)
+# still matches. The agent is built without build isolation where the venv holds setuptools.
 #
 # Environment:
 #   VENV              where the environment goes               (default: .venv beside this script)
