@@ -65,7 +65,7 @@ PY
 python3 scripts/gpu_issue15.py serve "$B/serve" > "$B/serve.log" 2>&1 & serve_pid=$!
 cleanup() {
   kill -TERM "$serve_pid" 2>/dev/null
-  pkill -f 'libreyolo-agent supervise' 2>/dev/null
+  [ "$only" = guard ] || pkill -f 'libreyolo-agent supervise' 2>/dev/null
   python3 scripts/gpu_issue15.py cleanup /var/lib/libreyolo-agent "$B"/*/state 2>/dev/null
   cp "$B"/serve/vast.json "$OUT/vast.json" 2>/dev/null
 }
