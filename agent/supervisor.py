@@ -453,13 +453,23 @@ def check_job(job: Path) -> int:
     """The job file read and checked in a forked child, which exits: 0 good; 2 bad (every
     mistake printed, and on a rented box the failure teardown decision, as ``run`` does:
     agent/cli.py's ``_bad_job``); 1 the check itself failed. The parser and its imports never
-    stay in the supervisor."""
+    stay in the supervisor. The child has a process group of its own: SIGTERM and SIGINT reach
+    it once, passed on from here (a bad job's teardown, waiting on a provider, stops on them as
+    it would in the supervisor itself)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # until they are passed on
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if pid == 0:  # the child: no thread runs yet in the supervisor, so forking is safe
         code = 1
         try:
+            os.setpgid(0, 0)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             from .cli import _bad_job, _load
             from .client import err
             from .config import ConfigError, Env
@@ -476,6 +486,8 @@ def check_job(job: Path) -> int:
                     for error in exc.errors:
                         err(str(error))
                     code = EXIT_BAD_JOB
+        except KeyboardInterrupt:
+            code = 1
         except BaseException:  # the same traceback the supervisor itself would have printed
             import traceback
 
@@ -485,12 +497,23 @@ def check_job(job: Path) -> int:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            return os.waitstatus_to_exitcode(status)
-        except InterruptedError:
-            continue
+
+    def pass_on(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    old = {sig: signal.signal(sig, pass_on) for sig in stop_signals}
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    try:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                return os.waitstatus_to_exitcode(status)
+            except InterruptedError:
+                continue
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
