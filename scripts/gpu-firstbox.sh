@@ -81,7 +81,7 @@ cat <<TOML
 name = "$1"
 runs_dir = "$4"
 [train]
-model = "yolox-n"
+model = "${MODEL:-yolox-n}"
 pretrained = false
 epochs = $2
 imgsz = 320
@@ -161,14 +161,14 @@ if [ "$only" = all ] || [ "$only" = guard ]; then
   G="$B/guard"; mkdir -p "$G"
   # A 5 s finish reserve: the estimated one (upload speed x checkpoint sizes) may exceed a
   # 150 s max_runtime, and the agent would then stop training at once (reason timeout).
-  job_toml guardjob 200 'max_runtime = "150s"
-finish_reserve = "5s"' "$G/runs" > "$G/job.toml"
+  job_toml guardjob 200 "max_runtime = \"${GUARD_RUNTIME:-150s}\"
+finish_reserve = \"5s\"" "$G/runs" > "$G/job.toml"
   agent=/opt/libreyolo-agent/.venv/bin/libreyolo-agent
   if [ ! -x "$agent" ]; then  # guard alone: the same install as the start line makes
     rm -rf /opt/libreyolo-agent && git clone -q "$REPO_URL" /opt/libreyolo-agent \
       && /opt/libreyolo-agent/install.sh > "$OUT/guard-install.log" 2>&1 || exit 1
   fi
-  say "== guard: job with max_runtime 150s, guard margin 20s"
+  say "== guard: job with max_runtime ${GUARD_RUNTIME:-150s}, guard margin 20s, model ${MODEL:-yolox-n}"
   CONTAINER_ID=1502 LIBREYOLO_AGENT_STATE_DIR="$G/state" LIBREYOLO_AGENT_GUARD_MARGIN=20s \
     LIBREYOLO_AGENT_GUARD_STALE_AFTER=10s $agent run "$G/job.toml" > "$G/agent.out" 2>&1 & apid=$!
   for _ in $(seq 1 1200); do
