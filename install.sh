@@ -260,6 +260,18 @@ else
   fi
 fi
 
+# The libreyolo command: where the image's site-packages (seen through the .pth) already hold the
+# libreyolo the agent needs, pip installs nothing and writes no command into the venv, and the
+# agent (which starts the trainer through the libreyolo beside its own Python) would find none,
+# or another Python's on PATH. It is written here, running this venv's Python.
+if [ "$dry_run" = 0 ] && [ ! -e "$venv/bin/libreyolo" ] && [[ ",$agent_extras," == *,train,* ]] \
+    && "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("libreyolo") is None)' 2>/dev/null; then
+  printf '#!%s\nimport sys\n\nfrom libreyolo.cli import entrypoint\n\nsys.exit(entrypoint())\n' \
+    "$venv/bin/python" >"$venv/bin/libreyolo"
+  chmod 755 "$venv/bin/libreyolo"
+  echo "wrote $venv/bin/libreyolo: the image's libreyolo, run by this venv's Python"
+fi
+
 t_check="$(now)"
 step "checking the install"
 run "$venv/bin/libreyolo-agent" --version

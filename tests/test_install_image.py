@@ -303,3 +303,69 @@ def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> 
         and "nothing was installed" in proc.stderr
     )
     assert "installing libreyolo-agent" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_an_image_that_holds_libreyolo_gets_the_command_in_the_venv(tmp_path: Path) -> None:
+    # The image holds the very libreyolo the agent pins: pip installs nothing for it and writes
+    # no `libreyolo` into the venv, where the agent looks for the command that starts the
+    # trainer. install.sh writes it, run by the venv's Python (which sees the image's package).
+    image_python = image_venv(tmp_path / "image")
+    image_site = site_of(image_python)
+    write_dist(
+        image_site,
+        "libreyolo",
+        md.version("libreyolo"),
+        {
+            "libreyolo/__init__.py": "",
+            "libreyolo/cli.py": (
+                "import sys\n\n\ndef entrypoint():\n"
+                "    print('image libreyolo', sys.executable, ' '.join(sys.argv[1:]))\n"
+                "    return 0\n"
+            ),
+        },
+    )
+    found = tmp_path / "wheels"
+    found.mkdir()
+    for name in wheels.closure(AGENT_REQUIREMENTS):
+        wheels.repack(name, found)
+    wheels.repack("setuptools", found)
+    assert not list(found.glob("libreyolo-*")), "the wheel folder must hold no libreyolo"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\ncase "$*" in\n'
+        '  *--query-gpu=*) echo "580.82.07, NVIDIA H200, 9.0" ;;\n'
+        '  *) echo "| NVIDIA-SMI 580.82.07   Driver Version: 580.82.07   CUDA Version: 13.0 |" ;;\n'
+        "esac\n",
+        encoding="utf-8",
+    )
+    smi.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "TORCH_", "LIBREYOLO_", "VIRTUAL_ENV", "PYTHON"))
+    }
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHON=str(image_python),
+        VENV=str(venv),
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(found),
+        PIP_NO_CACHE_DIR="1",
+        PIP_CONFIG_FILE=os.devnull,
+        TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
+    )
+    proc = subprocess.run(
+        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert proc.returncode == 0, out(proc)[-3000:]
+    command = venv / "bin" / "libreyolo"
+    assert command.is_file() and os.access(command, os.X_OK), out(proc)[-2000:]
+    assert "wrote" in proc.stdout and "libreyolo" in proc.stdout
+    ran = subprocess.run([str(command), "train", "x=1"], capture_output=True, text=True, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[:2] == ["image", "libreyolo"]
+    assert ran.stdout.split()[2] == str(venv / "bin" / "python")
+    assert ran.stdout.split()[3:] == ["train", "x=1"]
