@@ -80,6 +80,7 @@ class RelaunchMixin:
         total = resume.new_box_epochs(status, self.job.train.epochs)  # AlreadyDone: nothing left
         if not await self._fetch_last_pt(run_dir):
             return None
+        await self._fetch_history(run_dir)
         started_for = status.total_epochs if status else None
         changed = total is not None and started_for is not None and started_for != total
         note = (
@@ -124,6 +125,23 @@ class RelaunchMixin:
             return False
         log.info("fetched last.pt (%d bytes, sha256 %s) from the target", got.size, got.sha256[:12])
         return True
+
+    async def _fetch_history(self, run_dir: Path) -> None:
+        """The earlier box's ``metrics.jsonl`` and ``results.csv``: LibreYOLO appends a resumed
+        run's rows to them, so the copies this box uploads keep every epoch's row instead of
+        replacing the target's history with the epochs trained here."""
+        assert self.sync is not None
+        for name in ("metrics.jsonl", "results.csv"):
+            try:
+                await asyncio.to_thread(self.sync.sink.download, name, run_dir / name)
+            except SinkError as exc:
+                log.warning(
+                    "cannot fetch %s from %s (%s): the target's copy will hold only the epochs "
+                    "trained from here on",
+                    name,
+                    self.sync.sink.description,
+                    exc,
+                )
 
     def _resume_argv(self, run_dir: Path, total_epochs: int | None) -> list[str]:
         argv = getattr(self.launcher, "resume_argv", None)

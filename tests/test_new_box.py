@@ -88,7 +88,10 @@ def test_a_new_box_resumes_the_targets_run_to_the_jobs_epochs_not_the_runs(
     [argv] = run.launcher.launched
     assert "resume=true" in argv and "epochs=3" in argv and "epochs=30" not in argv
     synced = tmp_path / "synced"
-    assert metrics_epochs(run.run_dir / "metrics.jsonl") == [3]  # epoch 3 only: 1, 2 were
+    # Epochs 1 and 2 were trained on the old box: their rows came from the target, the resumed
+    # trainer appended epoch 3's, and the target's copy keeps the whole history.
+    assert metrics_epochs(run.run_dir / "metrics.jsonl") == [1, 2, 3]
+    assert metrics_epochs(synced / "metrics.jsonl") == [1, 2, 3]
     assert ckpt_epoch(synced / "weights" / "last.pt") == 3
     remote = json.loads((synced / "status.json").read_text())
     assert remote["state"] == "completed" and remote["total_epochs"] == 3
