@@ -47,6 +47,27 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+def offline_env(bin_dir: Path, image_python: Path, venv: Path, wheels_dir: Path) -> dict[str, str]:
+    """install.sh's environment on the box: no index, the local wheels, the fake nvidia-smi
+    first on PATH, PyTorch's index unreachable, none of this machine's pip settings."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "TORCH_", "LIBREYOLO_", "VIRTUAL_ENV", "PYTHON"))
+    }
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHON=str(image_python),
+        VENV=str(venv),
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(wheels_dir),
+        PIP_NO_CACHE_DIR="1",
+        PIP_CONFIG_FILE=os.devnull,
+        TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
+    )
+    return env
+
+
 def snapshot(venv: Path) -> dict[str, tuple[int, int]]:
     found = {}
     for path in venv.rglob("*"):
@@ -111,22 +132,8 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
         REPO_ROOT / "agent", project / "agent", ignore=shutil.ignore_patterns("__pycache__")
     )
     pip_log = root / "pip.log"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PIP_", "TORCH_", "LIBREYOLO_", "VIRTUAL_ENV", "PYTHON"))
-    }
-    env.update(
-        PATH=f"{bin_dir}:{env['PATH']}",
-        PYTHON=str(image_python),
-        VENV=str(venv),
-        PIP_NO_INDEX="1",
-        PIP_FIND_LINKS=str(found),
-        PIP_NO_CACHE_DIR="1",
-        PIP_CONFIG_FILE=os.devnull,
-        TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
-        PIP_LOG=str(pip_log),  # pip appends to it at every run
-    )
+    env = offline_env(bin_dir, image_python, venv, found)
+    env["PIP_LOG"] = str(pip_log)  # pip appends to it at every run
     runs, snaps, logged = [], [], []
     for n in range(3):
         if n == 2:
@@ -342,21 +349,7 @@ def test_an_image_that_holds_libreyolo_gets_the_command_in_the_venv(tmp_path: Pa
     )
     smi.chmod(0o755)
     venv = tmp_path / "venv"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PIP_", "TORCH_", "LIBREYOLO_", "VIRTUAL_ENV", "PYTHON"))
-    }
-    env.update(
-        PATH=f"{bin_dir}:{env['PATH']}",
-        PYTHON=str(image_python),
-        VENV=str(venv),
-        PIP_NO_INDEX="1",
-        PIP_FIND_LINKS=str(found),
-        PIP_NO_CACHE_DIR="1",
-        PIP_CONFIG_FILE=os.devnull,
-        TORCH_INDEX_BASE=f"http://127.0.0.1:{closed_port()}/whl",
-    )
+    env = offline_env(bin_dir, image_python, venv, found)
     proc = subprocess.run(
         ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
     )
