@@ -525,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_FAIL
+    except BrokenPipeError:
+        # The reader went away (`status | head`): no traceback. Python's documented remedy:
+        # stdout to /dev/null, so the flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAIL
 
 
 if __name__ == "__main__":

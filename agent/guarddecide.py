@@ -31,7 +31,13 @@ class Due:
 
 
 def when(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+    """A time for the guard's log lines. Never raises: a deadline no calendar can show (a plan
+    written before durations were bounded) comes out as epoch seconds, not as a traceback at
+    every beat."""
+    try:
+        return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{t:.0f} (epoch seconds)"
 
 
 def hold_end(state: RunState) -> float | None:

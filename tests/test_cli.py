@@ -746,3 +746,33 @@ def test_an_older_runs_report_is_not_taken_for_the_current_job(
     assert proc.returncode == 1
     (line,) = error_lines(proc)
     assert "says TRAINING: the job has not ended" in line
+
+
+def test_a_reader_that_went_away_gets_no_traceback(tmp_path: Path) -> None:
+    # `libreyolo-agent cost ... | head`: the pipe's reader is gone before the command writes.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent.cli",
+                "cost",
+                "--per-job",
+                "60",
+                "3.5",
+                "--per-job",
+                "30",
+                "8",
+            ],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=60,
+        )
+    finally:
+        os.close(w)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1

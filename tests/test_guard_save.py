@@ -555,3 +555,12 @@ def test_due_in_held_follows_the_holds_end_and_the_deadline(
     state = RunState(job_name="run1", job_source="t", phase=Phase.HELD, hold=held)
     verdict = due(plan, now=now, alive_at=now - silent_s, state=state)
     assert verdict.kind == kind, verdict.why
+
+
+def test_a_deadline_no_calendar_shows_is_logged_in_epoch_seconds_not_a_traceback() -> None:
+    # A plan written before durations were bounded ("99999999999999999999d"): the guard's log
+    # lines must still be written at every beat.
+    from agent.guarddecide import when
+
+    assert when(1e20) == "100000000000000000000 (epoch seconds)"
+    assert when(0.0) == "1970-01-01T00:00:00+00:00"
