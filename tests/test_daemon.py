@@ -264,13 +264,15 @@ def test_trainer_outlives_the_agent_and_a_new_agent_reattaches(
 
 
 @requires_libreyolo
-def test_bad_training_option_ends_as_training_failed_with_libreyolo_message(
+def test_bad_training_option_ends_as_a_failed_preflight_with_libreyolo_message(
     tmp_path: Path, dataset: Path
 ) -> None:
+    # LibreYOLO refuses the option before epoch 1 (a config failure): the box could not train
+    # this job, so it ends as a failed preflight does (issue 25 item 10), with LibreYOLO's words.
     job = make_job(tmp_path, dataset, extra="bogus_option = 1", sync=False)
     code, daemon, _ = asyncio.run(run_daemon(job, env_for(tmp_path)))
     assert code == 0
-    assert daemon.state.reason is not None and daemon.state.reason.value == "training_failed"
+    assert daemon.state.reason is not None and daemon.state.reason.value == "preflight_failed"
     assert daemon.state.outcome is not None and daemon.state.outcome["kind"] == "config"
     assert "bogus" in (daemon.state.cause or "")
 
