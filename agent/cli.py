@@ -268,6 +268,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     try:
         from . import hub
         from .preflight import format_table, run_preflight
+        from .preflight.report import PreflightReport
     except ImportError as exc:
         err(str(exc))
         return EXIT_FAIL
@@ -275,7 +276,17 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     job = _load(args.job) if args.job else None
     env = Env.from_environ()
     hub.configure(env)
-    report = asyncio.run(run_preflight(job, env))
+
+    async def checks() -> PreflightReport:
+        report = await run_preflight(job, env)
+        if job is None:
+            return report
+        from .preflight.canary import command_checks  # what `run` proves before training too
+
+        extra = await command_checks(job, env)
+        return PreflightReport(report.checks + tuple(extra), report.wall_s)
+
+    report = asyncio.run(checks())
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -121,6 +121,32 @@ async def essential_checks(daemon: Daemon) -> list[Check]:
     return checks
 
 
+async def command_checks(job: Job, env: Env) -> list[Check]:
+    """What ``libreyolo-agent preflight JOB`` adds to the machine checks, so that it proves what
+    ``run`` will: the target's canary and the guard's plan (the full preflight already reads the
+    provider)."""
+    from agent.sinks import make_sink
+
+    checks: list[Check] = []
+    if job.sync is not None:
+        try:
+            sink = make_sink(job.sync, env)
+        except (SinkError, ValueError, OSError) as exc:
+            checks.append(
+                make_check(
+                    "target.canary",
+                    FAIL,
+                    f"{job.sync.target}: cannot use it: {exc}",
+                    "fix sync.target (or the access it needs)",
+                )
+            )
+        else:
+            checks.append(await target_check(sink))
+    if (kept := guard_plan_check(job)) is not None:
+        checks.append(kept)
+    return checks
+
+
 async def gate(daemon: Daemon) -> bool:
     """Run :func:`essential_checks` for a job about to start; False when one failed (the cause
     is recorded, the report written and, where the target works, sent): the caller tears the
