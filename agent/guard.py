@@ -433,14 +433,18 @@ class Guard:
         )
         report["words"] = rescue_words(report)
         if report.get("last_pt", {}).get("saved"):
-            self._timing(plan, "newest last.pt verified", str(report["last_pt"].get("path")))
+            last = report["last_pt"]
+            self._timing(
+                plan, "newest last.pt verified", str(last.get("path")), at=last.get("verified_at")
+            )
         (log.error if report["unsaved"] else log.warning)("guard: saved: %s", report["words"])
         return report
 
-    def _timing(self, plan: GuardPlan, what: str, detail: str) -> None:
-        """One line a script can measure from: the time of ``what`` and how long after the hard
-        deadline it came (``guard: timing: EVENT at EPOCH (+S s after the hard deadline)``)."""
-        now = self.clock()
+    def _timing(self, plan: GuardPlan, what: str, detail: str, *, at: float | None = None) -> None:
+        """One line a script can measure from: the time of ``what`` (``at``, else now) and how
+        long after the hard deadline it came (``guard: timing: EVENT at EPOCH (+S s after the
+        hard deadline)``)."""
+        now = at if at is not None else self.clock()
         after = f"{now - plan.hard_deadline:+.1f}s" if plan.hard_deadline else "no deadline"
         log.warning(
             "guard: timing: %s at %.3f (%s after the hard deadline): %s", what, now, after, detail

@@ -40,6 +40,7 @@ log = logging.getLogger("agent.guard")
 #: goes ahead without it.
 DEFAULT_SAVE_TIMEOUT_S = 600.0
 LAST = "weights/last.pt"
+BEST = "weights/best.pt"
 _LEDGER_FILE = "sync-ledger.json"
 
 
@@ -145,8 +146,8 @@ def _verified(entry: dict[str, Any] | None, sha256: str | None, size: int) -> bo
     )
 
 
-def _upload_and_verify(job: Job, env: Env, local: Path) -> dict[str, Any]:
-    """Blocking: upload ``local`` as ``weights/last.pt`` and read it back."""
+def _upload_and_verify(job: Job, env: Env, local: Path, remote_path: str) -> dict[str, Any]:
+    """Blocking: upload ``local`` as ``remote_path`` and read it back."""
     from .sinks import make_sink, sha256_file
 
     assert job.sync is not None
@@ -158,12 +159,14 @@ def _upload_and_verify(job: Job, env: Env, local: Path) -> dict[str, Any]:
     digest = sha256_file(local)
     sink = make_sink(job.sync, env)
     sink.prepare()
-    sink.upload(local, LAST)
-    remote = sink.stat(LAST)
+    sink.upload(local, remote_path)
+    remote = sink.stat(remote_path)
     if remote is None or remote.size != size or remote.sha256 != digest:
         got = "nothing" if remote is None else f"{remote.size} bytes sha256 {remote.sha256[:12]}"
-        raise RuntimeError(f"read-back of {LAST} found {got}, expected {size} bytes {digest[:12]}")
-    return {"sha256": digest, "size": size, "target": sink.description}
+        raise RuntimeError(
+            f"read-back of {remote_path} found {got}, expected {size} bytes {digest[:12]}"
+        )
+    return {"sha256": digest, "size": size, "target": sink.description, "verified_at": time.time()}
 
 
 def _others_unsaved(run_dir: Path, ledger: dict[str, dict[str, Any]]) -> list[str]:
@@ -196,8 +199,10 @@ async def rescue(
     timeout_s: float,
     clock: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
-    """Stop the trainer, then upload the newest ``last.pt`` with read-back; what was saved and
-    what was not. Never raises: a failure is recorded in the result."""
+    """Stop the trainer, then upload the newest ``last.pt`` with read-back, then ``best.pt``
+    (unless the agent's ledger holds that very version verified) with what is left of
+    ``timeout_s``; what was saved and what was not. Never raises: a failure is recorded in the
+    result."""
     report: dict[str, Any] = {"started_at": clock(), "unsaved": []}
     try:
         report["trainer"] = await stop_trainer(state, job)
@@ -214,19 +219,33 @@ async def rescue(
         report["last_pt"] = {"path": str(last), "saved": False, "why": why}
         report["unsaved"].append(LAST)
     else:
-        report["last_pt"] = await _save_last(job, env, last, ledger, timeout_s)
+        report["last_pt"] = await _save(job, env, last, ledger, timeout_s, LAST)
         if not report["last_pt"].get("saved"):
             report["unsaved"].append(LAST)
+        best = last.parent / "best.pt"
+        left = timeout_s - (clock() - report["trainer_done_at"])
+        if best.is_file() and left > 1:
+            report["best_pt"] = await _save(job, env, best, ledger, left, BEST)
     if last is not None:
-        report["unsaved"] += _others_unsaved(last.parent.parent, ledger)
+        saved_best = (report.get("best_pt") or {}).get("saved")
+        report["unsaved"] += [
+            p for p in _others_unsaved(last.parent.parent, ledger) if not (p == BEST and saved_best)
+        ]
     report["finished_at"] = clock()
     return report
 
 
-async def _save_last(
-    job: Job, env: Env, last: Path, ledger: dict[str, dict[str, Any]], timeout_s: float
+async def _save(
+    job: Job,
+    env: Env,
+    last: Path,
+    ledger: dict[str, dict[str, Any]],
+    timeout_s: float,
+    remote_path: str,
 ) -> dict[str, Any]:
-    entry = ledger.get(LAST)
+    """Upload ``last`` as ``remote_path`` and read it back, unless the agent's ledger already
+    holds this very version verified there."""
+    entry = ledger.get(remote_path)
     try:
         size = last.stat().st_size
         if entry is not None and entry.get("size") == size:
@@ -235,12 +254,18 @@ async def _save_last(
             digest = await asyncio.to_thread(sha256_file, last)
             if _verified(entry, digest, size):
                 log.info("guard: %s is already verified on the target (the agent's ledger)", last)
-                return {"path": str(last), "saved": True, "verified": True, "already": True}
+                return {
+                    "path": str(last),
+                    "saved": True,
+                    "verified": True,
+                    "already": True,
+                    "verified_at": time.time(),
+                }
         log.warning(
             "guard: uploading %s (%d bytes) to %s", last, size, job.sync and job.sync.target
         )
         done = await asyncio.wait_for(
-            asyncio.to_thread(_upload_and_verify, job, env, last), timeout_s
+            asyncio.to_thread(_upload_and_verify, job, env, last, remote_path), timeout_s
         )
     except TimeoutError:
         why = f"the upload of {last} took longer than {timeout_s:.0f}s ({SAVE_TIMEOUT_ENV})"
@@ -265,6 +290,13 @@ def rescue_words(report: dict[str, Any]) -> str:
         if last.get("saved")
         else f"last.pt NOT saved: {last.get('why')}",
     ]
+    best = report.get("best_pt")
+    if best:
+        parts.append(
+            "best.pt verified on the target"
+            if best.get("saved")
+            else f"best.pt NOT saved: {best.get('why')}"
+        )
     unsaved = list(report.get("unsaved") or [])
     if unsaved:
         shown = ", ".join(unsaved[:5]) + (

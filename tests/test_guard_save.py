@@ -245,11 +245,16 @@ def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the
     assert rescue["trainer"]["stopped"] is True and rescue["trainer"]["signal"] == "SIGINT"
     assert rescue["last_pt"]["saved"] is True and rescue["last_pt"]["sha256"] == sha256_file(local)
     assert rescue["finished_at"] <= td["sent_at"]  # saved before the provider call
-    # What it could not save is recorded and said: the other checkpoints never left the box.
-    assert sorted(rescue["unsaved"]) == ["weights/best.pt", "weights/epoch_1.pt"]
+    # best.pt too, read back, with what was left of the save's time.
+    best = run_dir / "weights" / "best.pt"
+    assert rescue["best_pt"]["saved"] is True and rescue["best_pt"]["sha256"] == sha256_file(best)
+    assert (target / "weights" / "best.pt").read_bytes() == best.read_bytes()
+    # What it could not save is recorded and said: the epoch checkpoint never left the box.
+    assert rescue["unsaved"] == ["weights/epoch_1.pt"]
     assert load_state(state_dir).teardown == td
     text = guard_log(state_dir)
-    assert "2 file(s) NOT off the box" in text
+    assert "best.pt verified on the target" in text
+    assert "1 file(s) NOT off the box" in text
     # The lines a script measures from, in order: last.pt verified, then the provider call.
     verified = text.index("guard: timing: newest last.pt verified at ")
     called = text.index("guard: timing: provider call at ")
@@ -525,7 +530,10 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
     report = asyncio.run(rescue(state, job, None, env, state_dir, timeout_s=60))
     assert report["last_pt"]["saved"] is True
     assert (tmp_path / "synced" / "weights" / "last.pt").read_bytes() == b"L" * 100
-    assert report["unsaved"] == ["weights/best.pt"]
+    # best.pt was rewritten since its verified upload: saved again; epoch_1.pt is verified.
+    assert report["best_pt"]["saved"] is True and "already" not in report["best_pt"]
+    assert (tmp_path / "synced" / "weights" / "best.pt").read_bytes() == b"B" * 50
+    assert report["unsaved"] == []
     assert report["trainer"] == {"stopped": False, "why": "state.json records no trainer"}
 
 
