@@ -327,10 +327,10 @@ class Daemon(TrainingMixin, ControlMixin):
             return await self._teardown_phase(self.state.reason, resumed=True)
         if start == Phase.PREFLIGHT:
             staged: asyncio.Task[bool] | None = None
-            from .preflight import canary
+            from . import essentials
 
             # Provider, key and sync target: proven always, preflight on or off.
-            if not await canary.gate(self):
+            if not await essentials.gate(self):
                 return await self._teardown_phase(Reason.PREFLIGHT_FAILED)
             if self.job.preflight.enabled:
                 transition(self.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT

@@ -205,7 +205,18 @@ def test_report_statuses_are_plain_strings_in_the_json(
 
 
 #: ``agent/preflight/``'s modules, lowest first: each may import only those before it.
-LAYERS = ["report", "plan", "runner", "driver", "cuda", "host", "hub", "cloud"]
+LAYERS = [
+    "report",
+    "plan",
+    "runner",
+    "driver",
+    "cuda",
+    "host",
+    "hub",
+    "cloud",
+    "guardplan_check",
+    "canary",
+]
 
 
 def test_preflight_parts_import_only_lower_parts_and_config() -> None:
@@ -226,13 +237,15 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
         ours = {m for m in imported if m == "agent" or m.startswith("agent.")}
         # agent.hub is the one home of the Hub client (a base module: it imports config and text);
         # agent.threads, agent.text and agent.disk are base helpers that import nothing of ours;
-        # agent.nvml and agent.nvmlhost (the NVML host process) import only each other.
+        # agent.nvml and agent.nvmlhost (the NVML host process) import only each other;
+        # agent.sinks is where checkpoints go (an outside system, a lower layer: the canary).
         allowed = {
             "agent.config",
             "agent.hub",
             "agent.nvml",
             "agent.nvmlhost",
             "agent.providers",
+            "agent.sinks",
             "agent.threads",
             "agent.text",
             "agent.disk",

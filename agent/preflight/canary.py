@@ -26,16 +26,11 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from agent.config import Env, Job
-from agent.preflight.cloud import PROVIDER_TIMEOUT_S, provider_check
 from agent.preflight.guardplan_check import guard_plan_check
-from agent.preflight.report import FAIL, PASS, WARN, Check, PreflightReport, make_check
+from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
 from agent.sinks import Sink, SinkError
-
-if TYPE_CHECKING:
-    from agent.daemon import Daemon
 
 log = logging.getLogger("agent.daemon")
 
@@ -104,23 +99,6 @@ async def target_check(sink: Sink, timeout_s: float = CANARY_TIMEOUT_S) -> Check
     )
 
 
-async def essential_checks(daemon: Daemon) -> list[Check]:
-    """The provider (only when the full preflight, which has its own, is off) and the target."""
-    job: Job = daemon.job
-    env: Env = daemon.env
-    checks: list[Check] = []
-    if not job.preflight.enabled:
-        provider = daemon.provider_factory(job.teardown, env)
-        found = await provider_check(job, env, PROVIDER_TIMEOUT_S, provider=provider)
-        if found is not None:
-            checks.append(found)
-    if daemon.sync is not None:
-        checks.append(await target_check(daemon.sync.sink))
-    if (kept := guard_plan_check(job)) is not None:  # a box the guard would keep, said now
-        checks.append(kept)
-    return checks
-
-
 async def command_checks(job: Job, env: Env) -> list[Check]:
     """What ``libreyolo-agent preflight JOB`` adds to the machine checks, so that it proves what
     ``run`` will: the target's canary and the guard's plan (the full preflight already reads the
@@ -145,42 +123,3 @@ async def command_checks(job: Job, env: Env) -> list[Check]:
     if (kept := guard_plan_check(job)) is not None:
         checks.append(kept)
     return checks
-
-
-async def gate(daemon: Daemon) -> bool:
-    """Run :func:`essential_checks` for a job about to start; False when one failed (the cause
-    is recorded, the report written and, where the target works, sent): the caller tears the
-    box down as ``preflight_failed``."""
-    t0 = time.monotonic()
-    checks = await essential_checks(daemon)
-    if not checks:
-        return True
-    report = PreflightReport(tuple(checks), time.monotonic() - t0)
-    for check in report.warnings():
-        fix = f" (fix: {check.fix})" if check.fix else ""
-        log.warning("preflight warning: %s: %s%s", check.name, check.value, fix)
-    if not daemon.job.preflight.enabled:
-        # The full preflight is off: these checks are the job's preflight report.
-        daemon.preflight_report = report.to_dict()
-        daemon.store.write_report("preflight.json", daemon.preflight_report)
-    if report.ok:
-        log.info(
-            "provider and target checks passed: %s",
-            ", ".join(f"{c.name} {c.status}" for c in checks),
-        )
-        return True
-    failed = ", ".join(f"{c.name} ({c.value})" for c in report.failures())
-    log.error("preflight failed: %s", failed)
-    daemon.state.cause = f"preflight failed: {failed}"
-    if daemon.job.preflight.enabled:
-        daemon.preflight_report = report.to_dict()
-        daemon.store.write_report("preflight.json", daemon.preflight_report)
-    if any(c.name == "target.canary" and c.status == FAIL for c in checks):
-        # Nothing can be sent there: no billed minutes spent waiting on uploads that cannot
-        # succeed (the report and the teardown go ahead without a target).
-        if daemon.sync is not None:
-            await daemon.sync.close()
-            daemon.sync = None
-    else:
-        await daemon._sync_reports()  # the target works: the reason leaves the box first
-    return False
