@@ -72,6 +72,20 @@ async def cli(run: Run, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def cli_started(run: Run, *args: str) -> subprocess.Popen[str]:
+    """``libreyolo-agent ARGS --state-dir STATE`` started, not waited for: its answer may come
+    after the agent has already ended the job (a stop in HELD with nothing to wait for)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(run.tmp), "NO_PROXY": "127.0.0.1,localhost"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", *args, "--state-dir", str(run.env.state_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+
+
 def one_error(proc: subprocess.CompletedProcess[str]) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
@@ -93,13 +107,18 @@ def test_stop_in_held_releases_the_hold_and_the_teardown_goes_ahead(tmp_path: Pa
         assert status == 200, answer
         run.resume_trainer()
         await wait_for(lambda: run.daemon.state.phase == Phase.HELD, WAIT_S)
-        proc = await cli(run, "stop")  # the real CLI, as a person types it
-        seen["stop"] = proc
+        seen["stop"] = cli_started(run, "stop")  # the real CLI, as a person types it
+        await asyncio.to_thread(seen["stop"].wait, 60)
 
     assert run.go(during) == 0
-    proc = seen["stop"]
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (
+    started: subprocess.Popen[str] = seen["stop"]
+    try:
+        out, err = started.communicate(timeout=60)
+    finally:
+        if started.poll() is None:
+            started.kill()
+    assert started.returncode == 0, err
+    assert out == (
         "stop: the box was held; the hold is released and the teardown goes ahead now "
         "(destroy: teardown.on_success = destroy)\n"
     )
