@@ -27,6 +27,20 @@ def tiny_job(
     ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table).
     The dataset doctor (on by default for users, about 5 s of LibreYOLO start-up) is off
     unless ``doctor``: the tests of the doctor itself turn it on."""
+    text = tiny_job_text(tmp, data, epochs=epochs, train=train, sections=sections, doctor=doctor)
+    return parse_job(text, source="test", base_dir=tmp)
+
+
+def tiny_job_text(
+    tmp: Path,
+    data: Path,
+    *,
+    epochs: int = 3,
+    train: str = "",
+    sections: str = "",
+    doctor: bool = False,
+) -> str:
+    """The TOML of :func:`tiny_job`, for tests that hand the agent a job file."""
     if "[dataset]" not in sections:
         sections += f"\n[dataset]\ndoctor = {'true' if doctor else 'false'}\n"
     text = f"""
@@ -51,7 +65,7 @@ enabled = false
 listen = "127.0.0.1:0"
 {sections}
 """
-    return parse_job(text, source="test", base_dir=tmp)
+    return text
 
 
 async def wait_for(pred: Callable[[], Any], timeout: float = 90.0) -> None:

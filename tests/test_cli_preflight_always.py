@@ -19,6 +19,7 @@ import pytest
 from agent.guardplan import guard_pid
 from agent.state import Phase, Reason, RunState, StateStore
 from tests.fakes.providers import run_fake_runpod, run_fake_vast
+from tests.support import tiny_job_text
 from tests.test_daemon import dataset, requires_libreyolo
 
 __all__ = ["dataset"]
@@ -41,29 +42,7 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
 
 def job_file(tmp_path: Path, data: Path, sections: str) -> Path:
     job = tmp_path / "job.toml"
-    job.write_text(
-        f"""
-[job]
-name = "run1"
-runs_dir = "{tmp_path / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{data}"
-epochs = 1
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-[dataset]
-doctor = false
-[preflight]
-enabled = false
-[server]
-listen = "127.0.0.1:0"
-{sections}
-"""
-    )
+    job.write_text(tiny_job_text(tmp_path, data, epochs=1, sections=sections))
     return job
 
 

@@ -33,6 +33,7 @@ from agent.notify import Notifier
 from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
 from agent.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, is_open, timing_from_env
 from tests.fakes.providers import FakeVast, run_fake_vast
+from tests.support import tiny_job_text
 
 KEY = "vast-instance-key-open-0123456789"
 TIMING = (
@@ -58,32 +59,9 @@ def load(state_dir: Path) -> RunState | None:
 
 def job_file(tmp_path: Path, fake: FakeVast, extra: str = "") -> Path:
     job = tmp_path / "job.toml"
-    job.write_text(
-        extra
-        + f"""
-[job]
-name = "run1"
-runs_dir = "{tmp_path / "runs"}"
-[train]
-model = "yolox-n"
-pretrained = false
-data = "{tmp_path / "nothere" / "data.yaml"}"
-epochs = 1
-imgsz = 64
-batch = 4
-workers = 0
-device = "cpu"
-[dataset]
-doctor = false
-[preflight]
-enabled = false
-[server]
-listen = "127.0.0.1:0"
-[teardown]
-provider = "vast"
-api_url = "{fake.url}"
-"""
-    )
+    teardown = f'[teardown]\nprovider = "vast"\napi_url = "{fake.url}"\n'
+    data = tmp_path / "nothere" / "data.yaml"
+    job.write_text(extra + tiny_job_text(tmp_path, data, epochs=1, sections=teardown))
     return job
 
 
