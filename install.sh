@@ -14,7 +14,7 @@
 # Otherwise the newest PyTorch CUDA build the driver runs is installed, before libreyolo, so pip
 # never picks a torch by itself. Without nvidia-smi: PyTorch's CPU wheels where its CPU index
 # answers (5 s at most), else the default build. The choice and its reason are printed
-# (agent/torchpick.py holds the tables). Running it again changes nothing, and runs no pip when
+# (agent/install/torchpick.py holds the tables). Running it again changes nothing, and runs no pip when
 # the venv's stamp (.libreyolo-agent-install: what the last complete install was made from)
 # still matches. The agent is built without build isolation where the venv holds setuptools.
 #
@@ -80,11 +80,11 @@ run() {
     "$@"
   fi
 }
-# torchpick ARGS...: agent/torchpick.py from this source tree (standard library only).
-torchpick() { PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m agent.torchpick "$@"; }
+# torchpick ARGS...: agent/install/torchpick.py from this source tree (standard library only).
+torchpick() { PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$python" -m agent.install.torchpick "$@"; }
 
 # ---- which torch: decided before the venv exists (it decides how the venv is made)
-image_pth="_libreyolo_image_torch.pth"  # agent/torchpick.py's IMAGE_PTH
+image_pth="_libreyolo_image_torch.pth"  # agent/install/torchpick.py's IMAGE_PTH
 # venv_site: the venv's own site-packages (where pip installs, and the .pth goes).
 venv_site() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 pth_dirs=""

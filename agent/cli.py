@@ -4,7 +4,7 @@ Exit codes of ``run``: 0 the job ended as planned (whatever the training outcome
 failed, 2 the job file is bad (or a demo-only option came with one). ``preflight``: 0 nothing
 failed, 1 something failed, 2 bad job. A bad job file is reported whole: every mistake, one line
 each; on a rented box (``supervise``, or ``run`` with a provider) the box then gets the failure
-teardown decision before the exit 2 (agent/badjob.py).
+teardown decision before the exit 2 (agent/daemon/badjob.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, demo, logutil
-from .client import (
+from agent import __version__, demo
+from agent.client import (
     EXIT_CONFIG,
     EXIT_FAIL,
     EXIT_OK,
@@ -37,13 +37,14 @@ from .client import (
     cmd_stop,
     err,
 )
-from .config import ConfigError, Env, Job
-from .jobfile import load_job
+from agent.config.jobfile import load_job
+from agent.config.model import ConfigError, Env, Job
+from agent.util import logutil
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .daemon import Daemon
+    from agent.daemon.spine import Daemon
 
 
 RUN_EPILOG = """\
@@ -100,9 +101,9 @@ def _demo_only_options(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .arenas import limit_arenas
+    from agent.util.arenas import limit_arenas
 
-    limit_arenas()  # before any thread allocates (agent/arenas.py)
+    limit_arenas()  # before any thread allocates (agent/util/arenas.py)
     refused = _demo_only_options(args)
     for message in refused:
         err(message)
@@ -110,8 +111,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     try:
-        from . import hub  # noqa: F401 (refuses a too old huggingface_hub, with the fix)
-        from .daemon import AgentError, Daemon
+        from agent import hub  # noqa: F401 (refuses a too old huggingface_hub, with the fix)
+        from agent.daemon.spine import AgentError, Daemon
     except ImportError as exc:
         err(str(exc))
         return EXIT_FAIL
@@ -129,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _bad_job(args.job, exc, supervised=False)
         env = Env.from_environ()
         _set_aside_bad_job_record(env)
-        from . import guardplan
+        from agent.guard import plan as guardplan
 
         guardplan.check_environ()  # a typo in the guard's variables is exit 2, not a crash
         broken = _hub_client_problem(job)
@@ -176,8 +177,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _bad_job(path: str, exc: ConfigError, *, supervised: bool) -> int:
     """Every mistake, one line each; then, on a rented box, the failure teardown decision a job
-    that cannot run gets (agent/badjob.py). Exit 2 all the same: a restart cannot fix it."""
-    from . import badjob
+    that cannot run gets (agent/daemon/badjob.py). Exit 2 all the same: a restart cannot fix it."""
+    from agent.daemon import badjob
 
     for error in exc.errors:
         err(str(error))
@@ -187,8 +188,8 @@ def _bad_job(path: str, exc: ConfigError, *, supervised: bool) -> int:
 
 def _set_aside_bad_job_record(env: Env) -> None:
     """A valid job file meets the record a bad one left (it never ran): out of its way."""
-    from . import badjob
-    from .state import StateStore
+    from agent.daemon import badjob
+    from agent.state import StateStore
 
     try:
         moved = badjob.set_aside(StateStore(env.state_dir))
@@ -209,11 +210,11 @@ def _hub_client_problem(job: Job) -> str | None:
     if not needs:
         return None
     try:
-        from . import hub
+        from agent import hub
 
         hub.load()
         if hf_sync:
-            from .sinks import hf  # noqa: F401
+            from agent.sinks import hf  # noqa: F401
     except ImportError as exc:
         return (
             f"the Hugging Face client cannot be loaded ({type(exc).__name__}: {exc}); this job "
@@ -266,9 +267,9 @@ def _teardown_line(teardown: dict[str, Any] | None) -> str:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     try:
-        from . import hub
-        from .preflight import format_table, run_preflight
-        from .preflight.report import PreflightReport
+        from agent import hub
+        from agent.preflight import format_table, run_preflight
+        from agent.preflight.report import PreflightReport
     except ImportError as exc:
         err(str(exc))
         return EXIT_FAIL
@@ -281,7 +282,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         report = await run_preflight(job, env)
         if job is None:
             return report
-        from .preflight.canary import command_checks  # what `run` proves before training too
+        from agent.preflight.canary import command_checks  # what `run` proves before training too
 
         extra = await command_checks(job, env)
         return PreflightReport(report.checks + tuple(extra), report.wall_s)
@@ -295,8 +296,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from . import rent
-    from .trainargs import installed_train_options
+    from agent.policy import rent
+    from agent.trainer.argv import installed_train_options
 
     job = _load(args.job)
     env = Env.from_environ()
@@ -331,7 +332,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    from . import supervisor
+    from agent import supervisor
 
     return supervisor.run_from_args(args)
 
@@ -340,7 +341,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from . import cost
+    from agent.policy import cost
 
     if args.per_job:
         boxes, epochs = cost.parse_per_job(args.per_job, args.epochs)
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_check)
 
-    from .supervisor import DESCRIPTION, HELP, add_arguments
+    from agent.supervisor import DESCRIPTION, HELP, add_arguments
 
     sv = sub.add_parser("supervise", help=HELP, description=DESCRIPTION)
     add_arguments(sv)
@@ -471,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         s.set_defaults(func=func)
 
-    # Values are read as text and checked by agent/cost.py: a mistake is one line, exit 2.
+    # Values are read as text and checked by agent/policy/cost.py: a mistake is one line, exit 2.
     co = sub.add_parser(
         "cost",
         help="stop or destroy the box after a run: which is cheaper for a gap",

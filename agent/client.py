@@ -17,8 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .config import Env, ServerSection
-from .state import RunState, StateStore
+from agent.config.model import Env, ServerSection
+from agent.state import RunState, StateStore
 
 #: Exit codes of every command: done, failed (or no agent answers), a bad input.
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
@@ -82,7 +82,7 @@ def _ended_report(record: RunState | None, state_dir: Path) -> dict[str, Any] | 
     """The post-mortem (report.json) of the job the state file describes, when it has ended;
     with no state file, whatever report.json is there. None when there is none, or when it is
     an older run's (the state file was removed and the job started again)."""
-    from . import report
+    from agent.status import report
 
     found = report.load(state_dir)
     if found is None or record is None:
@@ -95,7 +95,8 @@ def _ended_report(record: RunState | None, state_dir: Path) -> dict[str, Any] | 
 def _print_ended(args: argparse.Namespace, state_dir: Path) -> bool:
     """Print the record of the ended job in ``state_dir`` (report.json, else state.json's
     verdict); False when there is none (the job has not ended, or nothing is there)."""
-    from . import report, statusfmt
+    from agent.status import report
+    from agent.status import summary as statusfmt
 
     record = _read_state(state_dir)
     found = _ended_report(record, state_dir)
@@ -122,7 +123,7 @@ def _status_without_agent(
     path = StateStore(state_dir).state_path
     why = _unreachable(exc)
     if record is not None:
-        from .teardown import is_open, open_words
+        from agent.policy.teardown import is_open, open_words
 
         open_td = (
             f"; its teardown is {open_words(record.teardown or {})}"
@@ -148,7 +149,7 @@ def _status_without_agent(
 
 def _teardown_code(record: RunState | None) -> int:
     """``status``'s exit code for a job its state file describes: 3 while a teardown is open."""
-    from .teardown import is_open
+    from agent.policy.teardown import is_open
 
     return EXIT_TEARDOWN_OPEN if record is not None and is_open(record.teardown) else EXIT_OK
 
@@ -175,7 +176,7 @@ def _fancy_terminal() -> bool:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import statusfmt
+    from agent.status import summary as statusfmt
 
     base, state_dir = _endpoint(args)
     if args.watch and not args.json:
@@ -202,7 +203,7 @@ def _watch(args: argparse.Namespace, base: str, state_dir: Path) -> int:
     """``status --watch``: the summary redrawn in place on a terminal (one plain line per change
     on a pipe or a dumb terminal) until the job ends or its agent goes away, then the ended
     job's record (report.json, else state.json), else the last summary read."""
-    from . import statusfmt
+    from agent.status import summary as statusfmt
 
     view = statusfmt.WatchView(
         fancy=_fancy_terminal(), width=shutil.get_terminal_size().columns - 1
@@ -284,7 +285,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def _duration_body(text: str | None) -> str | None:
     """The JSON body carrying ``text`` as the duration ("" for none), after checking it here
     first (the agent checks again): None, with the mistake printed, when it is not one."""
-    from .steering import SteeringError, parse_request_duration
+    from agent.policy.steering import SteeringError, parse_request_duration
 
     if text is None:
         return ""

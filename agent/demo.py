@@ -25,12 +25,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import Job
-from .jobfile import parse_job
-from .state import StateStore
+from agent.config.jobfile import parse_job
+from agent.config.model import Job
+from agent.state import StateStore
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from agent.daemon.spine import Daemon
 
 log = logging.getLogger("agent.demo")
 
@@ -93,7 +93,9 @@ class Demo:
 
     def not_ended(self, daemon: Daemon) -> str:
         """The line said when the agent exits before the job ended."""
-        from .rundir import pid_alive  # psutil: this module stays importable without it
+        from agent.trainer.rundir import (
+            pid_alive,  # psutil: this module stays importable without it
+        )
 
         rec = daemon.state.trainer
         runs = (
@@ -134,7 +136,7 @@ def ctrl_c_stops_the_job(daemon: Daemon) -> None:
             flags.force.set()
         flags.shutdown.set()
 
-    # Replaces the daemon's handler (agent/signals.py), which signals.remove() takes down.
+    # Replaces the daemon's handler (agent/daemon/signals.py), which signals.remove() takes down.
     with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
         asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_sigint)
 

@@ -9,9 +9,9 @@ import sys
 
 def main() -> int:
     if sys.argv[1:2] == ["supervise"]:
-        from .supervisor import main as supervise
+        from agent.supervisor import main as supervise
 
         return supervise(sys.argv[2:])
-    from .cli import main as cli_main
+    from agent.cli import main as cli_main
 
     return cli_main()

@@ -1,7 +1,8 @@
 """What happened, as a stream: phase changes, epochs, uploads, warnings, the teardown.
 
 The daemon publishes; ``GET /events`` (server-sent events), the dashboard page and the webhook
-notifier (:mod:`agent.notify`) subscribe. Publishing never blocks and never fails the daemon: a
+notifier (:mod:`agent.status.notify`) subscribe. Publishing never blocks and never fails the
+daemon: a
 subscriber that does not keep up loses its oldest events (and is told how many, as a ``gap``
 event) instead of growing without bound or slowing the run down.
 

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import __version__
-from .config import Env
-from .text import one_line
+from agent import __version__
+from agent.config.model import Env
+from agent.util.text import one_line
 
 log = logging.getLogger(__name__)
 

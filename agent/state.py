@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from .text import os_error
+from agent.util.text import os_error
 
 log = logging.getLogger("agent.state")
 

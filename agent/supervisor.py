@@ -10,11 +10,11 @@ It runs ``libreyolo-agent run JOB`` as its child and, when the agent exits, deci
   doubling from ``first_backoff_s`` (5 s) to ``max_backoff_s`` (5 min). An agent that stayed
   up ``min_uptime_s`` (60 s) resets the count; ``max_restarts`` (10) restarts in a row, each
   agent dying sooner than that, and the supervisor gives up (exit 1). The restarted agent
-  re-attaches to the trainer, which outlives it (agent/restart.py says where it carries on).
+  re-attaches to the trainer, which outlives it (agent/daemon/restart.py says where it carries on).
 
 It does not fight the agent's own safety nets: the agent ends its own crash loop with a gated
-teardown (agent/restart.py; that start exits 0, so it is not restarted), and the guard
-(agent/guard.py) stops the box if the agent stays dead past the hard deadline: the supervisor
+teardown (agent/daemon/restart.py; that start exits 0, so it is not restarted), and the guard
+(agent/guard/run.py) stops the box if the agent stays dead past the hard deadline: the supervisor
 never signals the guard (its own session), never touches ``agent.lock`` or the heartbeat, and an
 agent that finds the guard acting exits 1 and is restarted, with backoff, into its verdict
 (DONE: exit 0). A supervisor that gives up leaves the guard to do its job.
@@ -50,7 +50,7 @@ It lives as long as the job, so it is kept small (issue 26: every process of our
 checked in a forked child that exits (the job parser, and a bad job's teardown, never stay in
 this process); the loop waits on the agent's pidfd and a signal pipe with ``select`` instead of
 asyncio. It imports the standard library's ``subprocess``, ``logging`` and ``argparse``, and of
-the agent only :mod:`agent.logutil`, :mod:`agent.state` and :mod:`agent.childenv`
+the agent only :mod:`agent.util.logutil`, :mod:`agent.state` and :mod:`agent.util.childenv`
 (tests/test_supervisor.py checks what a running supervisor holds).
 """
 
@@ -70,9 +70,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import logutil
-from .childenv import child_env
-from .state import atomic_write_json, lock_with_pid
+from agent.state import atomic_write_json, lock_with_pid
+from agent.util import logutil
+from agent.util.childenv import child_env
 
 if TYPE_CHECKING:
     import argparse
@@ -83,7 +83,7 @@ PID_FILE = "supervisor.pid"
 STATE_FILE = "supervisor.json"
 LOG_FILE = "supervisor.log"
 
-#: agent.config.DEFAULT_STATE_DIR, without importing the job's configuration for it.
+#: agent.config.model.DEFAULT_STATE_DIR, without importing the job's configuration for it.
 DEFAULT_STATE_DIR = "/var/lib/libreyolo-agent"
 #: The agent's exit code for a bad job file: a restart cannot fix it.
 EXIT_BAD_JOB = 2
@@ -142,8 +142,8 @@ class Policy:
     def from_options(
         cls, max_restarts: int, first_backoff_s: float, max_backoff_s: float, min_uptime_s: float
     ) -> Policy:
-        """From the command line's values; raises :class:`~agent.config.ConfigError` naming each
-        option out of range."""
+        """From the command line's values; raises :class:`~agent.config.model.ConfigError` naming
+        each option out of range."""
         wrong = [
             (option, f"must be {what}, not {value:g}")
             for option, value, what, ok in (
@@ -155,7 +155,7 @@ class Policy:
             if not ok  # NaN is never ok
         ]
         if wrong:  # the job's error types, imported on this path only
-            from .jobvalues import ConfigError, ConfigErrors
+            from agent.config.jobvalues import ConfigError, ConfigErrors
 
             raise ConfigErrors([ConfigError(option, why) for option, why in wrong])
         return cls(max_restarts, first_backoff_s, max_backoff_s, min_uptime_s)
@@ -444,7 +444,7 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
 
 
 def _err(message: str) -> None:
-    from .client import err  # only on the way out: the CLI's one way of saying what went wrong
+    from agent.client import err  # only on the way out: the CLI's one way of saying what went wrong
 
     err(message)
 
@@ -470,9 +470,9 @@ def check_job(job: Path) -> int:
         try:
             os.setpgid(0, 0)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            from .cli import _bad_job, _load
-            from .client import err
-            from .config import ConfigError, Env
+            from agent.cli import _bad_job, _load
+            from agent.client import err
+            from agent.config.model import ConfigError, Env
 
             try:
                 _load(str(job))
@@ -553,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 1
     except Exception as exc:
-        from .jobvalues import ConfigError
+        from agent.config.jobvalues import ConfigError
 
         if not isinstance(exc, ConfigError):
             raise

@@ -2,8 +2,8 @@
 
 Two figures:
 
-- import: RSS of a fresh interpreter after ``import agent.daemon`` (what ``libreyolo-agent run``
-  loads before it starts anything), and which heavy libraries that pulled in;
+- import: RSS of a fresh interpreter after ``import agent.daemon.spine`` (what ``libreyolo-agent
+run`` loads before it starts anything), and which heavy libraries that pulled in;
 - run: ``libreyolo-agent run job.toml`` as a real process (as tests/test_restart.py runs it) on
   the tiny CPU job (``yolox-n``, a demo dataset from :func:`agent.demo.make_dataset`, a
   ``file://`` sync target), its ``VmRSS`` sampled every 50 ms and its ``VmHWM`` (peak) read from
@@ -44,7 +44,7 @@ HEAVY = (
 
 _IMPORT_PROBE = f"""
 import json, sys
-import agent.daemon
+import agent.daemon.spine
 status = open('/proc/self/status').read()
 kib = lambda key: int(status.split(key + ':')[1].split()[0])
 print(json.dumps({{"rss_kib": kib("VmRSS"), "hwm_kib": kib("VmHWM"),
@@ -146,7 +146,7 @@ def main() -> int:
     args = ap.parse_args()
     imp = import_figures()
     print(
-        f"import agent.daemon: RSS {int(imp['rss_kib']) / 1024:.1f} MiB; "  # type: ignore[call-overload]
+        f"import agent.daemon.spine: RSS {int(imp['rss_kib']) / 1024:.1f} MiB; "  # type: ignore[call-overload]
         f"loaded: {', '.join(imp['loaded']) or '-'}"  # type: ignore[arg-type]
     )
     with tempfile.TemporaryDirectory(prefix="agent-footprint-") as tmp:

@@ -180,10 +180,10 @@ def pidfd_works() -> bool:
 
 
 def one_run(tmp: Path, args: argparse.Namespace, hub: Any) -> Run:
-    from agent import report
-    from agent.config import Env
-    from agent.daemon import Daemon
-    from agent.jobfile import parse_job
+    from agent.config.jobfile import parse_job
+    from agent.config.model import Env
+    from agent.daemon.spine import Daemon
+    from agent.status import report
     from tests.fakes.providers import run_fake_vast
     from tests.fakes.scripted_launcher import ScriptedLauncher
 

@@ -1,7 +1,8 @@
 """How fast the guard saves and stops a dead agent's box: from the hard deadline to the newest
 ``last.pt`` verified on the target, and to the provider call.
 
-Reads the guard's own lines in ``STATE_DIR/guard.log`` (agent/guard.py writes them when it acts)::
+Reads the guard's own lines in ``STATE_DIR/guard.log`` (agent/guard/run.py writes them when it
+acts)::
 
     guard: timing: newest last.pt verified at 1796395245.161 (+12.3s after the hard deadline): ...
     guard: timing: provider call at 1796395245.170 (+12.3s after the hard deadline): stop ...

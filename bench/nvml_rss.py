@@ -4,12 +4,12 @@ Run on a GPU box (docs/gpu-validation.md 9d-9e, docs/benchmarks.md):
 
     python3 bench/nvml_rss.py [plain|host]
 
-``plain``: in this process, through the agent's own binding (agent/nvml.py), prints VmRSS,
+``plain``: in this process, through the agent's own binding (agent/gpu/nvml.py), prints VmRSS,
 RssAnon, RssFile, RssShmem and VmHWM (MiB) after each step: the interpreter, ``import
-agent.nvml``, ``nvmlInit``, a handle, 20 polls of utilisation and power, an Xid event set,
+agent.gpu.nvml``, ``nvmlInit``, a handle, 20 polls of utilisation and power, an Xid event set,
 ``malloc_trim(0)``; then the largest resident mappings, and sha256, CRC-32 and copy rates over
-64 MiB, the passes the checkpoint follower (agent/follow.py) makes over every byte.
-``host``: the same calls through the NVML host process (agent/nvmlhost.py), as the agent makes
+64 MiB, the passes the checkpoint follower (agent/sync/follow.py) makes over every byte.
+``host``: the same calls through the NVML host process (agent/gpu/nvmlhost.py), as the agent makes
 them: this process's figures (it never maps the driver) and the host's, read from /proc.
 """
 
@@ -85,14 +85,14 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     show("python")
     if mode == "host":
-        from agent.nvmlhost import NvmlHost
+        from agent.gpu.nvmlhost import NvmlHost
 
-        show("import agent.nvmlhost")
+        show("import agent.gpu.nvmlhost")
         nvml: Any = NvmlHost()
     else:
-        from agent import nvml as binding
+        from agent.gpu import nvml as binding
 
-        show("import agent.nvml")
+        show("import agent.gpu.nvml")
         nvml = binding.Library()
     nvml.nvmlInit()
     show(f"nvmlInit ({mode})")

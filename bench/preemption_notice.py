@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.config import PreemptionSection
-from agent.preemption import Notice, PreemptionWatcher
+from agent.config.model import PreemptionSection
+from agent.watch.preemption import Notice, PreemptionWatcher
 from tests.fakes.metadata import FakeGCE, FakeIMDS, run_fake_gce, run_fake_imds
 
 

@@ -1,11 +1,11 @@
 """Benchmark: from a spot notice to ``weights/last.pt`` leaving the box, the whole agent.
 
 bench/preemption_notice.py times the watcher alone (flip -> ``on_notice``). This one runs the
-real :class:`agent.daemon.Daemon` in-process, once per trial on a fresh temporary folder, with
+real :class:`agent.daemon.spine.Daemon` in-process, once per trial on a fresh temporary folder, with
 
 - the trainer: tests/fakes/scripted_trainer.py launched for real by a
-  :class:`agent.trainer.ProcessLauncher` (its own session, SIGINT stops it), 0.5 s epochs and
-  20 MB checkpoints, so copying, hashing and uploading them takes measurable time;
+  :class:`agent.trainer.process.ProcessLauncher` (its own session, SIGINT stops it), 0.5 s epochs
+  and 20 MB checkpoints, so copying, hashing and uploading them takes measurable time;
 - the sink: :class:`agent.sinks.local.LocalSink` on a temporary folder, wrapped to record
   ``time.monotonic()`` when ``upload`` and ``stat`` (the read-back) are entered and left;
 - the notice: the fake AWS IMDSv2 / GCP metadata servers of tests/fakes/metadata.py on
@@ -47,14 +47,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.config import Env, Job
-from agent.daemon import Daemon
-from agent.ledger import LedgerStatus
-from agent.resume import valid_checkpoint
+from agent.config.model import Env, Job
+from agent.daemon.spine import Daemon
+from agent.policy.resume import valid_checkpoint
 from agent.sinks import RemoteFile, sha256_file
 from agent.sinks.local import LocalSink
 from agent.state import TrainerRecord
-from agent.trainer import ProcessLauncher, TrainerProcess
+from agent.sync.ledger import LedgerStatus
+from agent.trainer.process import ProcessLauncher, TrainerProcess
 from tests.fakes.metadata import FakeGCE, FakeIMDS, run_fake_gce, run_fake_imds
 from tests.fakes.scripted_trainer import read_checkpoint_epoch
 from tests.support import tiny_job

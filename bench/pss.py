@@ -15,8 +15,8 @@ in this process on 127.0.0.1.
 
 Every ``--every`` seconds (0.2) it reads ``/proc/PID/smaps_rollup`` of each process of ours:
 the supervisor, its forked job check (it reads the job file and exits, before the agent starts),
-the agent (``agent.cli run``), the guard (``agent.guard``), the NVML host (``agent/nvml.py``);
-the trainer, the torch probe and this bench are not ours to count. PSS
+the agent (``agent.cli run``), the guard (``agent.guard.run``), the NVML host
+(``agent/gpu/nvml.py``); the trainer, the torch probe and this bench are not ours to count. PSS
 counts a page shared by N processes as 1/N in each, so the sum of PSS is what they cost the box
 together. Printed: per process its peak PSS and RSS (and Pss_Anon, the part no other process
 shares), and the peak of the sum over the samples taken at the same moment.
@@ -199,9 +199,9 @@ def smaps_by_mapping(pid: int) -> list[tuple[str, int, int]]:
 
 
 def nvml_host_only(seconds: float) -> int:
-    """The NVML host alone, as the agent uses it (agent.gpuhealth.GpuMonitor: load, power,
+    """The NVML host alone, as the agent uses it (agent.gpu.health.GpuMonitor: load, power,
     ECC, Xid events), sampled for ``seconds``: its PSS and RSS, and what they are made of."""
-    from agent.gpuhealth import GpuMonitor
+    from agent.gpu.health import GpuMonitor
 
     monitor = GpuMonitor()
     try:

@@ -230,7 +230,7 @@ class P1Run:
     epoch_s: float | None = None
     epochs: int = 0
     guard_peak: float | None = None
-    #: The NVML host the agent starts on a GPU box (agent/nvmlhost.py), its peak RSS.
+    #: The NVML host the agent starts on a GPU box (agent/gpu/nvmlhost.py), its peak RSS.
     nvml_host_peak: float | None = None
     to_trainer_start: float | None = None
     #: Agent started -> the launch (``trainer started pid=``: a cold spawn, or the warm go).
@@ -243,7 +243,7 @@ class P1Run:
 
 
 def nvml_hosts(parent: int) -> set[int]:
-    """The NVML hosts (``python -I -S .../agent/nvml.py``) among ``parent``'s children."""
+    """The NVML hosts (``python -I -S .../agent/gpu/nvml.py``) among ``parent``'s children."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{parent}/task").iterdir():
@@ -251,7 +251,7 @@ def nvml_hosts(parent: int) -> set[int]:
                 for pid in (task / "children").read_text().split():
                     with contextlib.suppress(OSError):
                         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        if any(a.endswith(b"agent/nvml.py") for a in argv):
+                        if any(a.endswith(b"agent/gpu/nvml.py") for a in argv):
                             found.add(int(pid))
     return found
 
@@ -259,7 +259,7 @@ def nvml_hosts(parent: int) -> set[int]:
 def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
     """One supervised real training, the agent and the 20 s anchor watched side by side."""
 
-    from agent import guardplan
+    from agent.guard import plan as guardplan
 
     out = P1Run()
     runs = tmp / "runs"
@@ -377,8 +377,8 @@ def p1_run(tmp: Path, data: Path, cfg: Config) -> P1Run:
 
 def bare_run(tmp: Path, data: Path, cfg: Config) -> float | None:
     """A bare ``libreyolo train`` of the same job: seconds to its first status.json."""
-    from agent.jobfile import parse_job
-    from agent.trainer import build_argv
+    from agent.config.jobfile import parse_job
+    from agent.trainer.process import build_argv
 
     runs = tmp / "bare-runs"
     text = real_job_text(tmp, data, cfg.p1_epochs, runs, cfg.device)
@@ -598,9 +598,9 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
             f"Agent RSS during training (median of its samples): {fmt_spread(rss_t, 'MiB', 1)}.",
             "Anchor: `bench/common.py poll`, a bare Python loop that every 20 s reads "
             "status.json and hashes last.pt, on the same training at the same time.",
-            "Not in the agent's figure: the guard process the agent starts (`agent.guard`, its "
+            "Not in the agent's figure: the guard process the agent starts (`agent.guard.run`, its "
             f"own session), peak {fmt_spread(guard, 'MiB', 1)}; on a GPU box the NVML host "
-            "(`python -I -S agent/nvml.py`: the driver's libraries, kept out of the agent), "
+            "(`python -I -S agent/gpu/nvml.py`: the driver's libraries, kept out of the agent), "
             f"peak {fmt_spread(nvml_host, 'MiB', 1) if nvml_host else 'none started'}.",
         ]
         bad = [r.problem for r in runs if r.problem]
@@ -653,16 +653,15 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
         s.notes.append(
             f"Started warm in {warm} of {len(ok)} runs: preflight's torch probe ran in the "
             "trainer's own Python, which then trained without importing torch again "
-            "(agent/warm_entry.py). A warm trainer's process starts with preflight, so its "
+            "(agent/trainer/warm_entry.py). A warm trainer's process starts with preflight, so its "
             "start-up is counted from the launch, where a cold one's process starts."
         )
         s.notes.append(
             "The job keeps the agent's defaults: preflight "
             f"({'allow_cpu' if cfg.device == 'cpu' else 'GPU required'}) and the dataset doctor "
             f"run before the trainer starts (device {cfg.device}). The bare run is the command "
-            "line the agent builds "
-            "(`agent.trainer.build_argv`), started right after each agent run and stopped at its "
-            "first status.json."
+            "line the agent builds (`agent.trainer.process.build_argv`), started right after each "
+            "agent run and stopped at its first status.json."
         )
         sections.append(s)
     return sections
@@ -769,8 +768,8 @@ def daemon_run(
     **options: object,
 ) -> DaemonRun:
     """The real Daemon in-process, with the timed scripted trainer and a wall-clock sink."""
-    from agent.config import Env
-    from agent.daemon import Daemon
+    from agent.config.model import Env
+    from agent.daemon.spine import Daemon
 
     log = tmp / "trainer-times.jsonl"
     pid: list[int] = []
@@ -1128,7 +1127,7 @@ def bench_p5(cfg: Config, root: Path) -> Section:
     from huggingface_hub import HfApi
 
     from agent import hub
-    from agent.config import Env
+    from agent.config.model import Env
     from agent.sinks.hf import HubSink
     from tests.fakes.hub import run_fake_hub
 

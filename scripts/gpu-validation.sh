@@ -121,9 +121,9 @@ for model in yolox-n yolo9-t; do
   say "(1) $model: agent exit $rc after $(secs "$t0" "$t1") s"
   echo "-- (1) $model whole job: agent exit $rc, wall $(secs "$t0" "$t1") s" >> "$R"
   CONTAINER_ID=$iid $H15 report "$D" "i15-$model" "$B/serve" "$t0" >> "$R" 2>&1
-  # Checkpoints copied while LibreYOLO wrote them (agent/follow.py) and used as snapshots.
+  # Checkpoints copied while LibreYOLO wrote them (agent/sync/follow.py) and used as snapshots.
   echo "  $(grep -ho 'checkpoints copied while written.*' "$D/state/agent.log" | tail -1)" >> "$R"
-  # The warm start: preflight's probe ran in the trainer's own Python (agent/warm_entry.py).
+  # The warm start: preflight's probe ran in the trainer's own Python (agent/trainer/warm_entry.py).
   echo "  $(grep -ho 'preflight passed in.*' "$D/state/agent.log" | tail -1);" \
     "$(grep -ho 'trainer started pid=.*' "$D/state/agent.log" | tail -1)" >> "$R"
 done
@@ -214,13 +214,13 @@ exit 0
 fi
 
 if [ "$only" = issue14 ]; then
-# Issues 13/14 on the GPU: (1) the install-time torch choice on this box (agent/torchpick.py);
-# (2) LibreYOLO's profiler through agent/profiling.py on the H200, offline, with a checkpoint of
+# Issues 13/14 on the GPU: (1) the install-time torch choice on this box (agent/install/torchpick.py);
+# (2) LibreYOLO's profiler through agent/watch/profiling.py on the H200, offline, with a checkpoint of
 # the job's family and size; (3) a short agent run whose sizing verdict and projection come from
 # NVML and the trainer tree's CPU (the log line after epoch 1, /status sizing).
 R="$OUT/issue14.txt"; echo "== issue 14: torch choice, profiler on the GPU, sizing verdict" | tee "$R"
-echo "-- (1) python3 -m agent.torchpick" >> "$R"
-python3 -m agent.torchpick >> "$R" 2>&1 || echo "torchpick exit $?" >> "$R"
+echo "-- (1) python3 -m agent.install.torchpick" >> "$R"
+python3 -m agent.install.torchpick >> "$R" 2>&1 || echo "torchpick exit $?" >> "$R"
 python3 -c 'from pathlib import Path; from agent import demo; demo.make_dataset(Path("/tmp/i14/data"), train=64, val=16)'
 libreyolo train model=yolox-n pretrained=false data=/tmp/i14/data/data.yaml epochs=1 imgsz=320 batch=16 \
   workers=4 device=0 project=/tmp/i14/w name=r json=true > /tmp/i14/w.out 2>&1
@@ -228,8 +228,8 @@ echo "-- (2) profiler on GPU 0 with /tmp/i14/w/r/weights/last.pt (yolox n)" >> "
 HF_HUB_OFFLINE=1 python3 - >> "$R" 2>&1 <<'PY'
 import asyncio, json, os
 from pathlib import Path
-from agent.jobfile import parse_job
-from agent.profiling import run_profile
+from agent.config.jobfile import parse_job
+from agent.watch.profiling import run_profile
 job = parse_job("""
 [train]
 model = "/tmp/i14/w/r/weights/last.pt"

@@ -151,10 +151,10 @@ def sample(pid: int, out: Path) -> int:
             break
         if not hwm or not rss:  # it exited between the two reads: /proc shows no memory then
             break
-        # The NVML host the agent starts on a GPU box (agent/nvmlhost.py): its own peak.
+        # The NVML host the agent starts on a GPU box (agent/gpu/nvmlhost.py): its own peak.
         with contextlib.suppress(psutil.Error, OSError, ValueError):
             for child in proc.children():
-                if any(a.endswith("agent/nvml.py") for a in child.cmdline()):
+                if any(a.endswith("agent/gpu/nvml.py") for a in child.cmdline()):
                     ct = child.cpu_times()
                     doc["nvml_host_cpu_s"] = round(ct.user + ct.system, 3)
                     for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
@@ -355,7 +355,7 @@ def report(d: Path, name: str, serve_dir: Path, t0: float | None) -> int:
             )
             host_peak = use.get("nvml_host_peak_mib")
             print(
-                "  NVML host (python -I -S agent/nvml.py, the agent's child): "
+                "  NVML host (python -I -S agent/gpu/nvml.py, the agent's child): "
                 + (
                     f"peak RSS (VmHWM) {host_peak} MiB, CPU {use.get('nvml_host_cpu_s')} s"
                     if host_peak
@@ -424,7 +424,7 @@ def gone(pid: int, t0: float, timeout: float = 180.0) -> int:
 
 
 def _guard_pid(state_dir: Path) -> int | None:
-    from agent import guardplan
+    from agent.guard import plan as guardplan
 
     try:
         return guardplan.guard_pid(state_dir) or None

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.config import Job
-from agent.jobfile import parse_job
+from agent.config.jobfile import parse_job
+from agent.config.model import Job
 
 
 def tiny_job(

@@ -1,5 +1,6 @@
-"""The hostile-archive unpacker (agent/archive/__init__.py): good archives of every format unpack
-whole through the real :func:`agent.archive.safe_unpack` on the real file system; what ``dest``
+"""The hostile-archive unpacker (agent/data/archive/__init__.py): good archives of every format
+unpack
+whole through the real :func:`agent.data.archive.safe_unpack` on the real file system; what ``dest``
 may be; an unsupported or unreadable archive is a clear error. The members' checks are tested in
 tests/test_archive_plan.py, the writing (disk budget, modes, copies) in tests/test_archive_write.py;
 the archive builders below serve all three (and the dataset tests).
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.archive import ArchiveError, safe_unpack
+from agent.data.archive import ArchiveError, safe_unpack
 
 MiB = 1 << 20
 

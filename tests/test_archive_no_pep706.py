@@ -72,7 +72,7 @@ _UNPACK_SCRIPT = textwrap.dedent(
     """
     import io, json, os, stat, sys, tarfile
     from pathlib import Path
-    from agent.archive import UnsafeArchiveError, safe_unpack
+    from agent.data.archive import UnsafeArchiveError, safe_unpack
 
     def tar(path, members):
         with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:

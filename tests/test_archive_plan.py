@@ -1,7 +1,7 @@
-"""The plan (agent/archive/plan.py): hostile archives are refused before anything is written,
+"""The plan (agent/data/archive/plan.py): hostile archives are refused before anything is written,
 every unsafe member named - traversal, absolute paths, escaping links, devices, FIFOs,
 duplicate and clashing members, names too long for the file system, decompression bombs.
-Every archive goes through the real :func:`agent.archive.safe_unpack` on the real file system.
+Every archive goes through the real :func:`agent.data.archive.safe_unpack` on the real file system.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.archive import MAX_EXPANSION_RATIO, ArchiveError, UnsafeArchiveError, safe_unpack
+from agent.data.archive import MAX_EXPANSION_RATIO, ArchiveError, UnsafeArchiveError, safe_unpack
 from tests.test_archive import (
     MiB,
     reg,

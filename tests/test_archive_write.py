@@ -1,7 +1,7 @@
-"""Writing (agent/archive/write.py): the free disk is checked with its headroom before writing
+"""Writing (agent/data/archive/write.py): the free disk is checked with its headroom before writing
 and read again while writing; a failure leaves nothing half-written; hardlinks become
 independent copies; modes are made sane. Every archive goes through the real
-:func:`agent.archive.safe_unpack` on the real file system.
+:func:`agent.data.archive.safe_unpack` on the real file system.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.archive import ArchiveError, UnsafeArchiveError, safe_unpack
+from agent.data.archive import ArchiveError, UnsafeArchiveError, safe_unpack
 from tests.test_archive import (
     MiB,
     reg,

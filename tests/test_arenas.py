@@ -1,4 +1,4 @@
-"""agent/arenas.py: the agent's process gets two malloc arenas, whatever the number of threads
+"""agent/util/arenas.py: the agent's process gets two malloc arenas, whatever the number of threads
 that allocate (counted by glibc's own ``malloc_info``, in a fresh interpreter)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.arenas import ARENAS, limit_arenas
+from agent.util.arenas import ARENAS, limit_arenas
 
 ROOT = Path(__file__).resolve().parent.parent
 
 _COUNT_ARENAS = """
     import ctypes, json, sys, tempfile, threading
-    from agent.arenas import limit_arenas
+    from agent.util.arenas import limit_arenas
 
     limited = limit_arenas() if sys.argv[1] == "limit" else False
     barrier = threading.Barrier(8)

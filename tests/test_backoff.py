@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from agent.backoff import delay_s
+from agent.util.backoff import delay_s
 
 
 def test_delay_doubles_with_jitter_and_is_capped() -> None:
@@ -22,7 +22,7 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     import email.utils
     import time
 
-    from agent.backoff import retry_after_s
+    from agent.util.backoff import retry_after_s
 
     assert retry_after_s({"Retry-After": "7"}) == 7.0
     assert retry_after_s({"Retry-After": "-3"}) == 0.0

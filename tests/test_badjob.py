@@ -1,5 +1,5 @@
-"""A bad job file on a rented box (agent/badjob.py): the real CLI (``supervise`` / ``run``) in a
-subprocess, the fake Vast API and a webhook receiver on 127.0.0.1."""
+"""A bad job file on a rented box (agent/daemon/badjob.py): the real CLI (``supervise`` / ``run``)
+in a subprocess, the fake Vast API and a webhook receiver on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.badjob import MARK, salvage, set_aside
+from agent.daemon.badjob import MARK, salvage, set_aside
 from agent.state import Phase, Reason, RunState, StateStore, TrainerRecord
 from tests.fakes.providers import FakeVast, run_fake_vast
 from tests.test_notify import Receiver
@@ -284,7 +284,7 @@ def test_a_teardown_the_provider_refuses_once_stays_open_and_is_tried_again(
     job = write_job(
         tmp_path, train="epochs = 0", teardown=f'provider = "vast"\napi_url = "{vast.url}"'
     )
-    # The open teardown's pauses shrunk (the agent's own variable for it: agent/teardown.py).
+    # The open teardown's pauses shrunk (the agent's own variable for it: agent/policy/teardown.py).
     got = cli(tmp_path, "supervise", str(job), LIBREYOLO_AGENT_TEARDOWN_TIMING="open_first_s=0.5")
     assert got.returncode == 2, got.stderr[-3000:]
     assert "NOT confirmed" in got.stderr

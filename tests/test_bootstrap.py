@@ -447,13 +447,13 @@ def test_an_invalid_job_is_reported_and_the_agent_started_to_decide(box: Box) ->
 
 def test_a_job_install_sh_cannot_read_installs_without_its_extras(box: Box) -> None:
     # install.sh --job exits 2 when the job's TOML cannot be read for its extras
-    # (`python -m agent.torchpick extras JOB || exit 2`): bootstrap installs without them and
-    # goes on to the check and the supervised agent, instead of dying before it.
+    # (`python -m agent.install.torchpick extras JOB || exit 2`): bootstrap installs without them
+    # and goes on to the check and the supervised agent, instead of dying before it.
     broken = "[train\nepochs = 1\n"
     job = box.root / "broken.toml"
     job.write_text(broken, encoding="utf-8")
     real = subprocess.run(
-        [sys.executable, "-m", "agent.torchpick", "extras", str(job)],
+        [sys.executable, "-m", "agent.install.torchpick", "extras", str(job)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -468,7 +468,8 @@ def test_a_job_install_sh_cannot_read_installs_without_its_extras(box: Box) -> N
         "#!/bin/bash\n"
         f'echo "$*" >>"{calls}"\n'
         'if [ "$1" = --job ]; then\n'
-        f'  cd "{ROOT}" && "{sys.executable}" -m agent.torchpick extras "$2" >/dev/null || exit 2\n'
+        f'  cd "{ROOT}" && "{sys.executable}" -m agent.install.torchpick extras "$2" '
+        ">/dev/null || exit 2\n"
         "fi\n",
         encoding="utf-8",
     )

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.rundir import RunStatus
 from agent.state import Phase, Reason, StateStore
+from agent.trainer.rundir import RunStatus
 from tests.test_daemon import dataset, requires_libreyolo
 from tests.test_restart import agent_env, job_toml, run_dirs, trainers_of
 

@@ -1,5 +1,5 @@
-"""``libreyolo-agent check`` says what to rent (agent/rent.py): the real CLI in a subprocess, the
-fake Hub with the real huggingface_hub client, and no torch imported."""
+"""``libreyolo-agent check`` says what to rent (agent/policy/rent.py): the real CLI in a
+subprocess, the fake Hub with the real huggingface_hub client, and no torch imported."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.rent import (
+from agent.policy.rent import (
     BYTES_PER_PARAM_ADAM,
     BYTES_PER_PARAM_SGD,
     INSTALL_BYTES,
@@ -223,9 +223,9 @@ def test_model_names_find_their_family_and_size(model: str, params: float) -> No
 
 
 def test_an_unknown_model_falls_back_on_the_guess_and_says_so(tmp_path: Path) -> None:
-    from agent.config import Env
-    from agent.jobfile import job_from_dict
-    from agent.rent import estimate
+    from agent.config.jobfile import job_from_dict
+    from agent.config.model import Env
+    from agent.policy.rent import estimate
 
     job = job_from_dict(
         {"train": {"data": "d.yaml", "model": "mystery-net", "epochs": 10}}, base_dir=tmp_path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.guardplan import guard_pid
+from agent.guard.plan import guard_pid
 from agent.state import Phase, Reason, RunState, StateStore
 from tests.fakes.providers import run_fake_runpod, run_fake_vast
 from tests.support import tiny_job_text

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cost import (
+from agent.config.jobvalues import ConfigError
+from agent.policy.cost import (
     GPU_WARNING,
     CostInputs,
     break_even_hours,
@@ -22,7 +23,6 @@ from agent.cost import (
     parse_inputs,
     stopped_usd_per_hour,
 )
-from agent.jobvalues import ConfigError
 
 GUIDE = [
     "--disk-gb",
@@ -252,7 +252,7 @@ def test_cli_help_documents_every_option(tmp_path: Path) -> None:
 
 
 def test_per_job_hand_computed() -> None:
-    from agent.cost import BoxRun, compare_per_job
+    from agent.policy.cost import BoxRun, compare_per_job
 
     # Box 1: 259.2 s/epoch at $3.4828/h = 0.072 h x 3.4828 = $0.2507616/epoch -> $25.07616 / 100.
     # Box 2: 600 s/epoch at $0.80/h = 0.16667 h x 0.8 = $0.1333.../epoch -> $13.333... / 100.
@@ -265,14 +265,14 @@ def test_per_job_hand_computed() -> None:
 
 
 def test_per_job_the_dearer_box_per_hour_can_be_cheaper_per_job() -> None:
-    from agent.cost import BoxRun, compare_per_job
+    from agent.policy.cost import BoxRun, compare_per_job
 
     # $2/h at 100 s/epoch ($0.0556) beats $1/h at 250 s/epoch ($0.0694).
     assert compare_per_job([BoxRun(250.0, 1.0), BoxRun(100.0, 2.0)]).cheapest == 1
 
 
 def test_per_job_tie_goes_to_the_faster_box() -> None:
-    from agent.cost import BoxRun, compare_per_job
+    from agent.policy.cost import BoxRun, compare_per_job
 
     assert compare_per_job([BoxRun(200.0, 1.0), BoxRun(100.0, 2.0)]).cheapest == 1
 

@@ -23,8 +23,8 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.config import Env, Job, PreflightSection
-from agent.daemon import Daemon
+from agent.config.model import Env, Job, PreflightSection
+from agent.daemon.spine import Daemon
 from agent.state import Phase, StateStore
 from tests.support import post_stop, slow_stage, tiny_job, wait_for
 
@@ -149,7 +149,7 @@ def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
     assert daemon.sync is not None and daemon.sync.verify_result is not None
     assert daemon.sync.verify_result.sync_verified
     assert daemon.sync.last_synced_epoch == 3
-    # LibreYOLO's own torch.save checkpoints were copied while written (agent/follow.py) and
+    # LibreYOLO's own torch.save checkpoints were copied while written (agent/sync/follow.py) and
     # those copies were what went up; nothing of them is left behind.
     assert daemon.sync.follower is not None and daemon.sync.follower.claimed >= 1
     assert not list((env.state_dir / "snapshots").glob("*"))
@@ -310,7 +310,7 @@ def test_demo_job_from_the_command_line(tmp_path: Path) -> None:
 
 def test_second_agent_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
     # Two agents on one state directory would both drive (and stop) the same trainer.
-    from agent.daemon import AgentError
+    from agent.daemon.spine import AgentError
 
     state = tmp_path / "state"
     state.mkdir()

@@ -23,10 +23,10 @@ import aiohttp
 import pytest
 
 from agent import demo
-from agent.config import Env, Job
-from agent.daemon import Daemon
-from agent.rundir import SMALL_FILES
+from agent.config.model import Env, Job
+from agent.daemon.spine import Daemon
 from agent.state import Phase, StateStore
+from agent.trainer.rundir import SMALL_FILES
 from tests.fakes.hub import FakeHub, Fault, overlaps, run_fake_hub
 from tests.support import tiny_job, wait_for
 

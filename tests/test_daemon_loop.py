@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env, Job
-from agent.daemon import Daemon
+from agent.config.model import Env, Job
+from agent.daemon.spine import Daemon
 from agent.state import Phase, Reason, TrainerRecord
 from tests.support import tiny_job, wait_for
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.gpuhealth import GpuSample
-from agent.sizing import SizingWatch
+from agent.gpu.health import GpuSample
 from agent.state import Phase, Reason
+from agent.watch.sizing import SizingWatch
 from tests.test_daemon_loop import make, started, write_status
 
 

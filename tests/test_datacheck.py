@@ -1,4 +1,4 @@
-"""The data YAML check of every job (agent/datacheck.py, issue 8): a staged YAML may not point
+"""The data YAML check of every job (agent/data/datacheck.py, issue 8): a staged YAML may not point
 outside the staged folder, and ``libreyolo doctor`` runs for staged and local datasets alike.
 
 Staged cases go through the real download (fake Hub on 127.0.0.1) and the real unpacker; the
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from agent import datacheck
-from agent.config import DatasetSection
-from agent.datacheck import (
+from agent.config.model import DatasetSection
+from agent.data import datacheck
+from agent.data.datacheck import (
     DataCheck,
     DoctorError,
     StagingError,
     check_data_yaml,
     run_doctor,
 )
-from agent.dataset import stage_dataset
+from agent.data.dataset import stage_dataset
 from agent.demo import make_dataset
 from tests.fakes.hub import FakeHub
 from tests.test_archive import reg, special, tar_bytes, write
@@ -183,7 +183,7 @@ def test_local_yaml_taken_from_libreyolos_datasets_dir_is_a_warning(
     (no_libreyolo_datasets_dir / "ds").mkdir(parents=True)
     yaml_path = write(tmp_path / "ds" / "data.yaml", b"path: ds\ntrain: images\nval: images\n")
     (tmp_path / "ds" / "ds").mkdir()  # the folder the user meant
-    caplog.set_level(logging.WARNING, logger="agent.dataset")
+    caplog.set_level(logging.WARNING, logger="agent.data.dataset")
     check = check_data_yaml(yaml_path, doctor=False, allow_outside_paths=False, staged_root=None)
     assert check.root == no_libreyolo_datasets_dir / "ds"
     assert check.warnings == [
@@ -221,7 +221,7 @@ def test_doctor_is_skipped_with_a_warning_without_libreyolo(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     yaml_path = make_dataset(tmp_path / "ds", train=1, val=1)
-    caplog.set_level(logging.WARNING, logger="agent.dataset")
+    caplog.set_level(logging.WARNING, logger="agent.data.dataset")
     check = check_data_yaml(
         yaml_path,
         doctor=True,

@@ -1,4 +1,4 @@
-"""Staging (agent/dataset.py): downloads from a fake Hub, the staging marker, finding the data
+"""Staging (agent/data/dataset.py): downloads from a fake Hub, the staging marker, finding the data
 YAML, the doctor gate, and what staging does with an archive the unpacker refuses.
 
 Downloads use the real ``huggingface_hub`` client against ``tests/fakes/hub.py`` on 127.0.0.1;
@@ -22,10 +22,10 @@ import httpx2
 import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError
 
-from agent import dataset
-from agent.archive import UnsafeArchiveError
-from agent.config import DatasetSection, Env
-from agent.dataset import (
+from agent.config.model import DatasetSection, Env
+from agent.data import dataset
+from agent.data.archive import UnsafeArchiveError
+from agent.data.dataset import (
     MARKER_NAME,
     DoctorError,
     StagingError,
@@ -135,7 +135,7 @@ def test_stage_downloads_unpacks_and_writes_the_marker(
     data = small_archive()
     commit = hub.add_file("dataset", "org/ds", "ds.tar", data)
     ds = DatasetSection(repo="org/ds", file="ds.tar", dest=tmp_path / "data")
-    caplog.set_level(logging.INFO, logger="agent.dataset")
+    caplog.set_level(logging.INFO, logger="agent.data.dataset")
 
     result = stage_dataset(ds, env_for(hub.url, tmp_path))
 
@@ -173,7 +173,7 @@ def test_restart_with_the_same_settings_does_not_download_or_unpack(
     # A file the user (or training) added must survive: the tree is not unpacked again.
     write(tmp_path / "data" / "ds" / "labels.cache", b"cache")
     hub.clear_requests()
-    caplog.set_level(logging.INFO, logger="agent.dataset")
+    caplog.set_level(logging.INFO, logger="agent.data.dataset")
 
     second = stage_dataset(ds, env)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from agent.demo import EXIT_NOT_ENDED
-from agent.rundir import pid_alive
 from agent.state import Phase, Reason, StateStore
+from agent.trainer.rundir import pid_alive
 from tests.test_daemon import requires_libreyolo
 
 pytestmark = pytest.mark.training

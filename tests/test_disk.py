@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from agent.disk import disk_free, nearest_existing
+from agent.util.disk import disk_free, nearest_existing
 
 
 def test_nearest_existing_is_the_first_ancestor_that_exists(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.disk import disk_free
-from agent.diskwatch import NEED_FLOOR_BYTES, DiskVerdict, check_disk, need_bytes
+from agent.util.disk import disk_free
+from agent.watch.disk import NEED_FLOOR_BYTES, DiskVerdict, check_disk, need_bytes
 
 MiB = 1024 * 1024
 

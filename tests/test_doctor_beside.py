@@ -1,4 +1,4 @@
-"""The dataset doctor beside the trainer (agent/doctor.py), with the real daemon, the real
+"""The dataset doctor beside the trainer (agent/daemon/doctor.py), with the real daemon, the real
 ``libreyolo doctor`` and the real ``libreyolo train`` on a tiny synthetic dataset."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
     doctor's process group is killed with the job, not left running on the box."""
     import aiohttp
 
-    from agent.daemon import Daemon
+    from agent.daemon.spine import Daemon
     from tests.test_daemon import Probe
 
     data = demo.make_dataset(tmp_path / "ds")
@@ -110,7 +110,7 @@ def test_a_queued_doctor_starts_at_the_trainers_first_status_or_at_the_cap() -> 
     """When the doctor starts (the decision alone; the real runs are above): at the trainer's
     first status.json, or DOCTOR_START_CAP_S after its launch for a trainer that has none yet,
     and once."""
-    from agent.doctor import DOCTOR_START_CAP_S, DoctorBesideMixin
+    from agent.daemon.doctor import DOCTOR_START_CAP_S, DoctorBesideMixin
 
     class Recorder(DoctorBesideMixin):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The trainer's exit is noticed at once, pidfd or not (agent/exitwait.py).
+"""The trainer's exit is noticed at once, pidfd or not (agent/trainer/exitwait.py).
 
 Where the kernel refuses ``pidfd_open`` (a container's seccomp filter, an old kernel) the agent
 used to poll the pid once a second: the exit was seen 0.5 s late on average, every second of it
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from agent import exitwait
-from agent.rundir import pid_alive
-from agent.trainer import Trainer
+from agent.trainer import exitwait
+from agent.trainer.process import Trainer
+from agent.trainer.rundir import pid_alive
 from tests.support import wait_for
 from tests.test_trainer import spawn_orphan
 

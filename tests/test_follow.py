@@ -1,5 +1,5 @@
-"""Checkpoints copied while the trainer writes them (agent/follow.py, agent/zipstream.py; issue
-15, P2): real torch.save archives, real inotify, real writer threads. The rule under attack: a
+"""Checkpoints copied while the trainer writes them (agent/sync/follow.py, agent/data/zipstream.py;
+issue 15, P2): real torch.save archives, real inotify, real writer threads. The rule under attack: a
 followed copy is used only when it is byte for byte the live file's current version; anything
 else falls back to the epoch-end copy, never to a wrong snapshot."""
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.follow import CheckpointFollower
-from agent.rundir import is_valid_checkpoint
+from agent.data.zipstream import ZipStream
 from agent.sinks import copy_hashing, sha256_file
-from agent.snapshots import Snapshotter
-from agent.zipstream import ZipStream
+from agent.sync.follow import CheckpointFollower
+from agent.sync.snapshots import Snapshotter
+from agent.trainer.rundir import is_valid_checkpoint
 
 #: Every (epoch, floats) checkpoint the tests use: written by one torch process (torch is never
 #: imported into the test runner itself: its deprecation shims warn when other tests scan
@@ -439,7 +439,7 @@ def test_lost_inotify_events_drop_every_finished_copy(
     """The kernel's queue overflowed (IN_Q_OVERFLOW, which this test cannot make the kernel
     send: it hands the follower the event): a write may have gone unseen, so no finished copy
     is trusted and the epoch's end copies the file."""
-    from agent.follow import IN_Q_OVERFLOW
+    from agent.sync.follow import IN_Q_OVERFLOW
 
     f, snaps, copies, weights = follower
     src = weights / "last.pt"

@@ -26,7 +26,8 @@ PHASE_ONLY = (
     "libreyolo",
     "numpy",
 )
-#: A generous bound on the RSS after ``import agent.daemon`` (about 42 MiB when written, 53 MiB
+#: A generous bound on the RSS after ``import agent.daemon.spine`` (about 42 MiB when written, 53
+# MiB
 #: with the Hub client and prometheus_client loaded at import).
 SANE_IMPORT_RSS_MIB = 150
 
@@ -48,7 +49,7 @@ def test_starting_the_daemon_imports_no_phase_only_library() -> None:
     got = _child(
         f"""
         import json, sys
-        import agent.daemon, agent.cli
+        import agent.daemon.spine, agent.cli
         status = open("/proc/self/status").read()
         rss_kib = int(status.split("VmRSS:")[1].split()[0])
         print(json.dumps({{"rss_kib": rss_kib,
@@ -56,7 +57,7 @@ def test_starting_the_daemon_imports_no_phase_only_library() -> None:
         """
     )
     rss_mib = int(got["rss_kib"]) / 1024  # type: ignore[call-overload]
-    print(f"RSS after import agent.daemon, agent.cli: {rss_mib:.1f} MiB")
+    print(f"RSS after import agent.daemon.spine, agent.cli: {rss_mib:.1f} MiB")
     assert got["loaded"] == []
     assert rss_mib < SANE_IMPORT_RSS_MIB
 
@@ -67,7 +68,7 @@ def test_the_hub_client_loads_on_first_use_with_the_configured_timeouts() -> Non
         """
         import json, sys
         from agent import hub
-        from agent.config import Env
+        from agent.config.model import Env
 
         hub.configure(timeout_s=7.0, connect_timeout_s=3.0)
         before = "huggingface_hub" in sys.modules

@@ -1,6 +1,6 @@
 """GPU health through NVML. A GPU fault cannot be produced on purpose, and this machine has no
 GPU, so these tests hand :class:`GpuMonitor` a stand-in with exactly the ``pynvml`` names the
-monitor calls, raising the agent's :class:`agent.nvml.NVMLError`. One test runs the real path
+monitor calls, raising the agent's :class:`agent.gpu.nvml.NVMLError`. One test runs the real path
 (the NVML host process) on a machine without a driver: the monitor is unavailable and never
 raises. tests/test_nvmlhost.py runs the real path over a stand-in ``libnvidia-ml.so.1``."""
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agent import nvml as nv
-from agent.gpuhealth import GpuMonitor, GpuSample
+from agent.gpu import nvml as nv
+from agent.gpu.health import GpuMonitor, GpuSample
 
 
 class Handle:

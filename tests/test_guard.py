@@ -1,5 +1,5 @@
-"""The guard (agent/guard.py): a real process, started the way the agent starts it, watching a real
-state directory; real signals, real locks, and the providers' real clients against their fake
+"""The guard (agent/guard/run.py): a real process, started the way the agent starts it, watching a
+real state directory; real signals, real locks, and the providers' real clients against their fake
 APIs on 127.0.0.1.
 
 The rule under test everywhere: the guard acts only when the agent's heartbeat is stale AND the
@@ -25,8 +25,7 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.guard import RECORD_FILE, choose_action, due
-from agent.guardplan import (
+from agent.guard.plan import (
     HEARTBEAT_FILE,
     LOG_FILE,
     NO_DEADLINE_STALE_S,
@@ -36,6 +35,7 @@ from agent.guardplan import (
     ensure_running,
     guard_pid,
 )
+from agent.guard.run import RECORD_FILE, choose_action, due
 from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
 from tests import test_guardplan
 from tests.fakes.providers import run_fake_lambda, run_fake_vast
@@ -339,9 +339,9 @@ def test_a_guard_without_a_plan_exits(state_dir: Path, guards: list[int]) -> Non
 
 def test_the_guard_imports_neither_torch_nor_the_http_server() -> None:
     code = (
-        "import sys, agent.guard\n"
+        "import sys, agent.guard.run\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'libreyolo') "
-        "or m in ('aiohttp.web', 'agent.daemon', 'agent.server', 'agent.sync')]\n"
+        "or m in ('aiohttp.web', 'agent.daemon', 'agent.status.server', 'agent.sync')]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -443,7 +443,7 @@ def test_a_provider_that_cannot_stop_keeps_the_box_and_says_so(
     state = load_state(state_dir)
     assert state.phase == Phase.DONE
     assert state.cause is not None and "the box is KEPT and bills on" in state.cause
-    assert "ERROR agent.guard: guard: provider lambda cannot stop a box" in guard_log(state_dir)
+    assert "ERROR agent.guard.run: guard: provider lambda cannot stop a box" in guard_log(state_dir)
 
 
 def test_a_stop_refused_at_first_is_read_back_then_sent_again(
@@ -610,8 +610,8 @@ max_runtime = "25s"
         eventually(
             lambda: guard_pid(state_dir),
             timeout=20,
-            what="the agent started no guard: agent/daemon.py must call guard.write_plan, "
-            "guard.heartbeat_task and guard.ensure_running (see agent/guard.py)",
+            what="the agent started no guard: agent/daemon/spine.py must call guard.write_plan, "
+            "guard.heartbeat_task and guard.ensure_running (see agent/guard/run.py)",
         )
         guard = psutil.Process(guard_pid(state_dir) or 0)
         leftovers.append(guard)

@@ -1,4 +1,4 @@
-"""The guard (agent/guard.py, agent/guardsave.py) when it acts: in every phase, HELD included;
+"""The guard (agent/guard/run.py, agent/guard/save.py) when it acts: in every phase, HELD included;
 the trainer stopped (SIGINT, then escalation) and the newest ``last.pt`` uploaded and read back
 before the box is stopped; what it could not save said; the agent's notices sent.
 
@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.guardplan import PLAN_FILE, beat
+from agent.guard.plan import PLAN_FILE, beat
 from agent.sinks import sha256_file
 from agent.state import Phase, Reason, TrainerRecord
 from tests import test_guardplan
@@ -333,11 +333,11 @@ def test_the_waiting_guard_imports_no_sink_no_notifier_and_no_psutil() -> None:
     # Nor asyncio, the providers, the teardown or restart modules (issue 26: memory): imported
     # when it acts.
     code = (
-        "import sys, agent.guard\n"
+        "import sys, agent.guard.run\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('psutil', 'aiohttp', "
-        "'huggingface_hub', 'asyncio') or m in ('agent.guardsave', 'agent.sinks', "
-        "'agent.notify', 'agent.jobfile', 'agent.trainer', 'agent.teardown', "
-        "'agent.providers', 'agent.restart')]\n"
+        "'huggingface_hub', 'asyncio') or m in ('agent.guard.save', 'agent.sinks', "
+        "'agent.status.notify', 'agent.config.jobfile', 'agent.trainer', 'agent.policy.teardown', "
+        "'agent.providers', 'agent.daemon.restart')]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -494,9 +494,9 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
     import asyncio
     import hashlib
 
-    from agent.config import Env
-    from agent.guardsave import rescue
-    from agent.jobfile import parse_job
+    from agent.config.jobfile import parse_job
+    from agent.config.model import Env
+    from agent.guard.save import rescue
     from agent.state import RunState, atomic_write_json
 
     weights = tmp_path / "runs" / "run1" / "weights"
@@ -553,7 +553,7 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
 def test_due_in_held_follows_the_holds_end_and_the_deadline(
     silent_s: float, hold: dict[str, float], deadline_in: float | None, kind: str
 ) -> None:
-    from agent.guard import due
+    from agent.guard.run import due
     from agent.state import RunState
     from tests.test_guard import plan_at
 
@@ -568,7 +568,7 @@ def test_due_in_held_follows_the_holds_end_and_the_deadline(
 def test_a_deadline_no_calendar_shows_is_logged_in_epoch_seconds_not_a_traceback() -> None:
     # A plan written before durations were bounded ("99999999999999999999d"): the guard's log
     # lines must still be written at every beat.
-    from agent.guarddecide import when
+    from agent.guard.decide import when
 
     assert when(1e20) == "100000000000000000000 (epoch seconds)"
     assert when(0.0) == "1970-01-01T00:00:00+00:00"

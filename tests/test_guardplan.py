@@ -1,4 +1,4 @@
-"""The agent's side of the guard (agent/guardplan.py): the plan it writes, the heartbeat it beats,
+"""The agent's side of the guard (agent/guard/plan.py): the plan it writes, the heartbeat it beats,
 and starting the guard process (a real one, in its own session), again when it died.
 
 The fixtures and helpers here (``state_dir``, ``guards``, ``make_plan``) serve
@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 
-from agent import guard, guardplan
-from agent.config import ConfigError
-from agent.guardplan import (
+from agent.config.jobfile import parse_job
+from agent.config.model import ConfigError
+from agent.guard import plan as guardplan
+from agent.guard import run as guard
+from agent.guard.plan import (
     HEARTBEAT_FILE,
     LOCK_FILE,
     LOG_FILE,
@@ -35,7 +37,6 @@ from agent.guardplan import (
     read_plan,
     write_plan,
 )
-from agent.jobfile import parse_job
 from agent.state import atomic_write_json
 
 TEARDOWN = {
@@ -211,8 +212,8 @@ def test_ensure_running_hands_out_the_lock_holders_pid(state_dir: Path) -> None:
 
 
 def test_the_agent_side_stays_importable_from_agent_guard() -> None:
-    # agent/daemon.py calls guard.write_plan, guard.heartbeat_task and guard.ensure_running,
-    # agent/cli.py guard.check_environ: every public name of agent/guardplan.py stays there.
+    # agent/daemon/spine.py calls guard.write_plan, guard.heartbeat_task and guard.ensure_running,
+    # agent/cli.py guard.check_environ: every public name of agent/guard/plan.py stays there.
     public = [
         name
         for name, value in vars(guardplan).items()

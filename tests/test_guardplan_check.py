@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.jobfile import parse_job
+from agent.config.jobfile import parse_job
 from agent.preflight.guardplan_check import guard_plan_check
 
 
@@ -94,7 +94,7 @@ on_failure = "destroy"
         checks = {c["name"]: c for c in report["checks"]}
         assert checks["guard.plan"]["status"] == "warn"
     finally:
-        from agent.guardplan import guard_pid
+        from agent.guard.plan import guard_pid
 
         pid = guard_pid(tmp_path / "state")
         if pid:

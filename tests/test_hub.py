@@ -24,8 +24,9 @@ from huggingface_hub.errors import (
     OfflineModeIsEnabled,
 )
 
-from agent import dataset, hub
-from agent.config import DatasetSection, Env
+from agent import hub
+from agent.config.model import DatasetSection, Env
+from agent.data import dataset
 from agent.sinks.hf import HubSink
 from tests.fakes.hub import FakeHub, run_fake_hub
 
@@ -311,7 +312,7 @@ def _child(script: str, *, unset: tuple[str, ...] = (), **environ: str) -> dict[
 _PREFLIGHT_LIKE = """
     import json, sys, time
     from agent import dataset, hub
-    from agent.config import Env
+    from agent.config.model import Env
     from tests.fakes.hub import run_fake_hub
 
     hub.configure(timeout_s=0.5, connect_timeout_s=0.5)
@@ -354,7 +355,7 @@ _UPLOAD_A_CHECKPOINT = """
 
     # As `agent run` does before anything else for a Hub job: the client is loaded first.
     hub.load()
-    from agent.config import Env
+    from agent.config.model import Env
     from agent.sinks.hf import HubSink
     from tests.fakes.hub import run_fake_hub
 
@@ -490,7 +491,7 @@ def test_hub_and_sink_tests_pass_on_the_oldest_allowed_huggingface_hub() -> None
 
 
 @pytest.mark.skipif(bool(os.environ.get(OLD_HUB_RUN)), reason="already the old-hub run")
-@pytest.mark.parametrize("module", ["agent.hub", "agent.sinks.hf", "agent.dataset"])
+@pytest.mark.parametrize("module", ["agent.hub", "agent.sinks.hf", "agent.data.dataset"])
 def test_too_old_huggingface_hub_is_refused_with_the_fix(module: str) -> None:
     """1.3.1 would fail every upload to a non-default endpoint after sending it (the fake Hub's
     is one): refused wherever the agent's Hub code is imported, with the fix."""

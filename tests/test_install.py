@@ -107,7 +107,7 @@ def test_cpu_machine_gets_the_default_torch_then_the_agent(
     assert agent.endswith(extras), agent  # printf %q escapes the brackets and commas
     assert torch.endswith("install torch==2.14.1 torchvision==0.29.1")
     assert "no nvidia-smi: a CPU machine" in out
-    assert "gpu" not in agent  # NVML is our own ctypes binding (agent/nvml.py): no gpu extra
+    assert "gpu" not in agent  # NVML is our own ctypes binding (agent/gpu/nvml.py): no gpu extra
     # PyTorch's CPU index (a closed port here) refused at once: the default, saying what it costs.
     assert "PyTorch's CPU wheel index did not answer" in out and "Connection refused" in out
     assert "which is the CUDA build (about 3 GB to download, a 6 GB venv" in out
@@ -407,9 +407,9 @@ def test_bootstrap_prefetches_the_dataset_the_agent_then_finds_in_the_cache(
 ) -> None:
     """A job naming a dataset: bootstrap downloads its archive into HF_HOME's Hub cache in the
     background (the venv's huggingface_hub, the token from the environment); the agent's own
-    download (agent.dataset) then asks the Hub only for the file's metadata, no second GET."""
-    from agent.config import DatasetSection, Env
-    from agent.dataset import _download
+    download (agent.data.dataset) then asks the Hub only for the file's metadata, no second GET."""
+    from agent.config.model import DatasetSection, Env
+    from agent.data.dataset import _download
 
     root = supervisors
     archive = b"boxes archive " * 1000

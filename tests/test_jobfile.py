@@ -14,7 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.config import (
+from agent.config.jobfile import (
+    MAX_JOB_FILE_BYTES,
+    check_train_options,
+    job_from_dict,
+    load_job,
+    parse_job,
+)
+from agent.config.model import (
     DEFAULT_NOTIFY_EVENTS,
     NOTIFY_EVENTS,
     ConfigError,
@@ -33,15 +40,8 @@ from agent.config import (
     TrainSection,
     parse_duration,
 )
-from agent.jobfile import (
-    MAX_JOB_FILE_BYTES,
-    check_train_options,
-    job_from_dict,
-    load_job,
-    parse_job,
-)
-from agent.trainargs import TrainOptions, installed_train_options
-from agent.trainer import build_argv
+from agent.trainer.argv import TrainOptions, installed_train_options
+from agent.trainer.process import build_argv
 
 # --------------------------------------------------------------------------------------------
 # A tiny TOML writer: enough to turn any dict of TOML-representable values into a document.
@@ -1006,7 +1006,8 @@ def run_check(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         "PATH": "/usr/bin:/bin",
         "LIBREYOLO_AGENT_STATE_DIR": str(tmp_path / "state"),
         "HOME": str(tmp_path),
-        # check asks the Hub for a [dataset]'s size (agent/rent.py): test traffic stays local.
+        # check asks the Hub for a [dataset]'s size (agent/policy/rent.py): test traffic stays
+        # local.
         "HF_ENDPOINT": "http://127.0.0.1:9",
     }
     return subprocess.run(
@@ -2022,7 +2023,7 @@ def test_only_epoch_notices_is_a_choice() -> None:
 
 
 def test_profile_defaults_off() -> None:
-    from agent.config import ProfileSection
+    from agent.config.model import ProfileSection
 
     job = parse(base_doc())
     assert job.profile == ProfileSection()
@@ -2068,7 +2069,8 @@ def test_profile_and_notify_sections_both_accepted() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Every duration has one bound (agent/jobvalues.py parse_duration): a year, 30 days for a hold
+# Every duration has one bound (agent/config/jobvalues.py parse_duration): a year, 30 days for a
+# hold
 
 EVERY_DURATION_KEY = [
     *DURATION_KEYS,
@@ -2155,7 +2157,7 @@ def test_check_names_every_train_value_of_the_wrong_type_at_once(tmp_path: Path)
 
 
 def test_typed_train_values_are_checked_with_the_given_options() -> None:
-    from agent.trainargs import OptionType
+    from agent.trainer.argv import OptionType
 
     options = TrainOptions(
         names=frozenset({"data", "batch", "amp", "frac"}),

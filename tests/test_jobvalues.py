@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import config, jobvalues
-from agent.jobvalues import (
+from agent.config import jobvalues
+from agent.config import model as config
+from agent.config.jobvalues import (
     ConfigError,
     ConfigErrors,
     ErrorList,
@@ -175,7 +176,7 @@ def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
 
 
 def test_config_still_exports_what_moved_here() -> None:
-    # Other modules and scripts import these from agent.config.
+    # Other modules and scripts import these from agent.config.model.
     for name in ("ConfigError", "ConfigErrors", "parse_duration", "format_duration"):
         assert getattr(config, name) is getattr(jobvalues, name)
     assert config.repo_id_problem is jobvalues.repo_id_problem
@@ -214,7 +215,7 @@ def test_a_year_is_the_longest_and_a_key_may_have_a_tighter_bound() -> None:
 
 
 def test_the_guards_variables_have_the_same_bound() -> None:
-    from agent import guardplan
+    from agent.guard import plan as guardplan
 
     guardplan.check_environ({guardplan.MARGIN_ENV: "365d"})
     with pytest.raises(ConfigError) as info:

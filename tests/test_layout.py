@@ -73,7 +73,8 @@ def test_no_import_cycle() -> None:
 
 def test_the_daemon_side_never_imports_torch() -> None:
     code = (
-        "import sys, agent.cli, agent.daemon, agent.guard, agent.preflight, agent.dataset; "
+        "import sys, agent.cli, agent.daemon.spine, agent.guard.run, agent.preflight, "
+        "agent.data.dataset; "
         "print(sorted(m for m in ('torch', 'libreyolo', 'torchvision') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus
-from agent.sync import SyncEngine
-from agent.uploads import Item
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus
+from agent.sync.uploads import Item
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import LimitsSection
-from agent.limits import (
+from agent.config.model import LimitsSection
+from agent.policy.limits import (
     DEFAULT_UPLOAD_BYTES_PER_S,
     Breach,
     BudgetView,

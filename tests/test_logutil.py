@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import logutil
-from agent.logutil import RateLimitFilter
+from agent.util import logutil
+from agent.util.logutil import RateLimitFilter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,7 @@ EMFILE_CHILD = textwrap.dedent(
     """
     import asyncio, logging, os, resource, sys
     from agent import logutil
-    from agent.server import StatusServer
+    from agent.status.server import StatusServer
 
     handler = logging.FileHandler(sys.argv[1])
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -1,4 +1,4 @@
-"""The endpoint's read-outs (agent/metrics.py): the Prometheus exposition read back by
+"""The endpoint's read-outs (agent/status/views.py): the Prometheus exposition read back by
 prometheus-client's own parser, server-sent events, log tails, history and the page, all over
 a real server on 127.0.0.1 and a real client."""
 
@@ -18,23 +18,23 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import logutil
 from agent.events import QUEUE, EventBus, Subscription
-from agent.metrics import (
+from agent.state import Phase
+from agent.status.server import StatusServer
+from agent.status.views import (
     CONTENT_TYPE,
     MAX_LOG_TAIL,
     TAIL_MAX_LINE_CHARS,
     render,
     tail_lines,
 )
-from agent.server import StatusServer
-from agent.state import Phase
+from agent.util import logutil
 
 TOKEN = "tok_SECRET_1234"
 SECRET = "hf_FAKEsecretValue123456"
 NOW = 1_700_000_000.0
 
-#: A /status document as agent/status.py builds it, mid-training (plus the keys asked for:
+#: A /status document as agent/status/document.py builds it, mid-training (plus the keys asked for:
 #: ``now``, ``sync.uploads_failed``, ``sync.uploaded_bytes``).
 DOC: dict[str, Any] = {
     "job": "run1",

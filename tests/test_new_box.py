@@ -1,4 +1,5 @@
-"""A first launch that cannot go as usual (agent/supervise.py, agent/relaunch.py): a new box whose
+"""A first launch that cannot go as usual (agent/daemon/training.py, agent/daemon/relaunch.py): a
+new box whose
 sync target already holds this job's run, and a launch that cannot start. The whole daemon in
 this loop, the scripted stand-in trainer as a real process (tests/test_supervise.py's ``Run``).
 
@@ -16,9 +17,9 @@ import os
 import signal
 from pathlib import Path
 
-from agent.config import Job
-from agent.rundir import pid_alive
+from agent.config.model import Job
 from agent.state import Phase, Reason
+from agent.trainer.rundir import pid_alive
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import wait_for
 from tests.test_supervise import WAIT_S, Run, ckpt_epoch, make_job, metrics_epochs, resumes

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agent.config import DEFAULT_NOTIFY_EVENTS, NotifySection
+from agent.config.model import DEFAULT_NOTIFY_EVENTS, NotifySection
 from agent.events import Event, EventBus
-from agent.notify import REDACTED, Notifier, Retry, notice_text
+from agent.status.notify import REDACTED, Notifier, Retry, notice_text
 from tests.support import wait_for
 from tests.test_daemon_loop import PricedProvider
 

@@ -1,5 +1,6 @@
-"""NVML through the NVML host process (agent/nvml.py, agent/nvmlhost.py), for real: the host is
-a real ``python -I -S agent/nvml.py`` that loads, through ctypes and the dynamic loader, a
+"""NVML through the NVML host process (agent/gpu/nvml.py, agent/gpu/nvmlhost.py), for real: the
+host is
+a real ``python -I -S agent/gpu/nvml.py`` that loads, through ctypes and the dynamic loader, a
 ``libnvidia-ml.so.1`` found on ``LD_LIBRARY_PATH``. This machine has no driver, so that library
 is tests/fakes/nvml/fake_nvml.c, compiled here: NVML's C symbols and return codes over a box
 scripted by a control file the tests rewrite while the host runs (hangs and crashes included).
@@ -23,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from agent import nvml as nv
-from agent.config import Env
-from agent.daemon import Daemon
-from agent.gpuhealth import GpuMonitor
-from agent.nvmlhost import NvmlHost
+from agent.config.model import Env
+from agent.daemon.spine import Daemon
+from agent.gpu import nvml as nv
+from agent.gpu.health import GpuMonitor
+from agent.gpu.nvmlhost import NvmlHost
 from agent.preflight.driver import read_driver
 from agent.state import Reason
 from tests.fakes.scripted_launcher import ScriptedLauncher
@@ -150,7 +151,7 @@ def test_the_library_is_mapped_in_the_host_never_in_the_agent(box: Box) -> None:
         assert "libnvidia-ml" not in _maps("self")
         # The host is a bare interpreter: -I -S, nothing of the agent's site-packages.
         cmdline = Path(f"/proc/{host_pid}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1:3] == [b"-I", b"-S"] and cmdline[3].endswith(b"agent/nvml.py")
+        assert cmdline[1:3] == [b"-I", b"-S"] and cmdline[3].endswith(b"agent/gpu/nvml.py")
     finally:
         gpu.close()
     assert _gone(host_pid)
@@ -271,7 +272,7 @@ def test_the_host_ends_when_the_agent_is_killed(box: Box, tmp_path: Path) -> Non
             textwrap.dedent(
                 """
                 import sys, time
-                from agent.nvmlhost import NvmlHost
+                from agent.gpu.nvmlhost import NvmlHost
                 host = NvmlHost()
                 host.nvmlInit()
                 print(host.pid, flush=True)

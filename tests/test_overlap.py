@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from agent.config import Env, Job, PreflightSection
-from agent.daemon import Daemon
+from agent.config.model import Env, Job, PreflightSection
+from agent.daemon.spine import Daemon
 from agent.state import StateStore
 from tests.fakes.hub import run_fake_hub
 from tests.support import post_stop, tiny_job, wait_for

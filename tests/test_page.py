@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from agent import demo
-from agent.config import Env
-from agent.daemon import Daemon
+from agent.config.model import Env
+from agent.daemon.spine import Daemon
 from agent.state import Phase
 from tests.support import tiny_job, wait_for
 

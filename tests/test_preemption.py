@@ -1,4 +1,4 @@
-"""The spot notice watchers (agent/preemption.py) against fake metadata servers on 127.0.0.1
+"""The spot notice watchers (agent/watch/preemption.py) against fake metadata servers on 127.0.0.1
 (tests/fakes/metadata.py): detection from DMI files only, the AWS IMDSv2 token dance (renewed
 before its TTL and on a 401), the GCP long poll, endpoint trouble logged once and retried,
 ``on_notice`` exactly once, a clean cancel. No test here is timed: the latency from a flip to
@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent.config import PreemptionSection
-from agent.preemption import AWS_TOKEN_TTL_S, Notice, PreemptionWatcher, detect
+from agent.config.model import PreemptionSection
+from agent.watch.preemption import AWS_TOKEN_TTL_S, Notice, PreemptionWatcher, detect
 from tests.fakes.metadata import (
     FakeGCE,
     FakeIMDS,
@@ -93,7 +93,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "agent.preemption"
+        if r.name == "agent.watch.preemption"
         and r.levelno == logging.WARNING
         and "notice from" not in r.getMessage()
     ]
@@ -103,7 +103,7 @@ def infos_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "agent.preemption" and r.levelno == logging.INFO
+        if r.name == "agent.watch.preemption" and r.levelno == logging.INFO
     ]
 
 
@@ -247,7 +247,7 @@ def test_aws_notice_seen_after_the_flip(action: str) -> None:
 
 
 def test_aws_token_renewed_at_once_on_a_401(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "agent.preemption")
+    caplog.set_level(logging.INFO, "agent.watch.preemption")
     with run_fake_imds() as imds:
 
         async def body(w: PreemptionWatcher, task: asyncio.Task[None]) -> None:
@@ -284,7 +284,7 @@ def test_aws_token_renewed_before_its_ttl_ends() -> None:
 def test_aws_5xx_logged_once_per_problem_retried_and_recovery_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, "agent.preemption")
+    caplog.set_level(logging.INFO, "agent.watch.preemption")
     with run_fake_imds() as imds:
         token_faults = imds.fail_next(2, 503, route="token")
         action_faults = imds.fail_next(4, 500, route="instance-action")
@@ -428,7 +428,7 @@ def test_gcp_long_poll_that_times_out_is_sent_again_with_the_etag() -> None:
 
 
 def test_gcp_5xx_is_retried(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "agent.preemption")
+    caplog.set_level(logging.INFO, "agent.watch.preemption")
     with run_fake_gce() as gce:
         fault = gce.fail_next(3, 503)
 

@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.config import Env, Job
-from agent.jobfile import job_from_dict
+from agent.config.jobfile import job_from_dict
+from agent.config.model import Env, Job
 from agent.preflight import FAIL, PASS, WARN, Check, PreflightReport, format_table, run_preflight
 
 STANDIN = str(Path(__file__).parent / "fakes" / "torch_standin")
@@ -117,8 +117,8 @@ def test_real_torch_cpu_allowed_warns_and_generic_check_fails(tmp_path: Path) ->
     script = (
         "import asyncio, json, sys\n"
         "from pathlib import Path\n"
-        "from agent.config import Env\n"
-        "from agent.jobfile import job_from_dict\n"
+        "from agent.config.model import Env\n"
+        "from agent.config.jobfile import job_from_dict\n"
         "from agent.preflight import format_table, run_preflight\n"
         "job = job_from_dict(json.loads(sys.argv[1]))\n"
         "env = Env(hf_home=Path(sys.argv[2]), hf_endpoint='http://127.0.0.1:9')\n"
@@ -236,19 +236,20 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
         }
         ours = {m for m in imported if m == "agent" or m.startswith("agent.")}
         # agent.hub is the one home of the Hub client (a base module: it imports config and text);
-        # agent.threads, agent.text and agent.disk are base helpers that import nothing of ours;
-        # agent.nvml and agent.nvmlhost (the NVML host process) import only each other;
+        # agent.util.threads, agent.util.text and agent.util.disk are base helpers that import
+        # nothing of ours;
+        # agent.gpu.nvml and agent.gpu.nvmlhost (the NVML host process) import only each other;
         # agent.sinks is where checkpoints go (an outside system, a lower layer: the canary).
         allowed = {
             "agent.config",
             "agent.hub",
-            "agent.nvml",
-            "agent.nvmlhost",
+            "agent.gpu.nvml",
+            "agent.gpu.nvmlhost",
             "agent.providers",
             "agent.sinks",
-            "agent.threads",
-            "agent.text",
-            "agent.disk",
+            "agent.util.threads",
+            "agent.util.text",
+            "agent.util.disk",
         } | {f"agent.preflight.{lower}" for lower in LAYERS[:i]}
         assert ours <= allowed, f"agent/preflight/{name}.py imports {sorted(ours - allowed)}"
         assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env
-from agent.daemon import Daemon
+from agent.config.model import Env
+from agent.daemon.spine import Daemon
 from agent.state import Phase, Reason
 from tests.fakes.hub import run_fake_hub
 from tests.fakes.providers import run_fake_runpod, run_fake_vast

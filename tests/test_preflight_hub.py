@@ -1,5 +1,5 @@
-"""The Hub side (agent/preflight/hub.py): dataset size and access, HF_TOKEN, against a tiny real
-HTTP server on loopback that the real ``huggingface_hub`` client talks to."""
+"""The Hub side (agent/preflight/hub_access.py): dataset size and access, HF_TOKEN, against a tiny
+real HTTP server on loopback that the real ``huggingface_hub`` client talks to."""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from agent import demo
-from agent.config import Job
-from agent.jobfile import parse_job
-from agent.profiling import (
+from agent.config.jobfile import parse_job
+from agent.config.model import Job
+from agent.watch.profiling import (
     CannotProfile,
     checkpoint_meta,
     online_allowed,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import LimitsSection
-from agent.gpuhealth import GpuMonitor, GpuSample
-from agent.progress import ProgressTracker, Stall
-from agent.rundir import RunStatus
+from agent.config.model import LimitsSection
+from agent.gpu.health import GpuMonitor, GpuSample
+from agent.trainer.rundir import RunStatus
+from agent.watch.progress import ProgressTracker, Stall
 
 #: Stays alive, makes no progress: no CPU, no log growth.
 IDLE = "import time\nprint('ready', flush=True)\ntime.sleep(120)\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Env, TeardownSection
+from agent.config.model import Env, TeardownSection
 from agent.providers import ProviderError, make_provider
 from agent.providers.command import CommandProvider
 

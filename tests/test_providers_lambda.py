@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env, TeardownSection
+from agent.config.model import Env, TeardownSection
 from agent.providers import ProviderError
 from agent.providers.api import Timing
 from agent.providers.lambdalabs import LambdaProvider, local_names, matching

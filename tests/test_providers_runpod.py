@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env, TeardownSection
+from agent.config.model import Env, TeardownSection
 from agent.providers import ProviderError
 from agent.providers.api import Timing
 from agent.providers.runpod import RunPodProvider

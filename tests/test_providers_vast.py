@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env, TeardownSection
-from agent.jobfile import parse_job
+from agent.config.jobfile import parse_job
+from agent.config.model import Env, TeardownSection
 from agent.providers import ProviderError, make_provider
 from agent.providers.api import Timing
 from agent.providers.vast import VastProvider

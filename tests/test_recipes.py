@@ -51,7 +51,7 @@ def test_every_provider_has_a_job_file() -> None:
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
 def test_job_file_passes_check(job: Path, tmp_path: Path) -> None:
-    # check asks the Hub for the dataset's size (agent/rent.py): test traffic stays local.
+    # check asks the Hub for the dataset's size (agent/policy/rent.py): test traffic stays local.
     env = dict(
         os.environ,
         LIBREYOLO_AGENT_STATE_DIR=str(tmp_path / "state"),

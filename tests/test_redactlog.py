@@ -1,4 +1,4 @@
-"""Logs leave the box as /logs shows them: agent/redactlog.py makes the redacted copy the sync
+"""Logs leave the box as /logs shows them: agent/sync/redactlog.py makes the redacted copy the sync
 uploads, and never hands over the raw file."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import logutil
-from agent.redactlog import as_sent, redacted_copy
+from agent.sync.redactlog import as_sent, redacted_copy
+from agent.util import logutil
 
 TOKEN = "hf_redactlog_secret_0123456789"
 KEY = "vast-redactlog-key-abcdef"

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from agent import logutil, report
-from agent.ledger import ItemKind, LedgerEntry, LedgerStatus
 from agent.state import Phase, Reason, RunState
+from agent.status import report
+from agent.sync.ledger import ItemKind, LedgerEntry, LedgerStatus
+from agent.util import logutil
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20Z
 SHA_LAST = "a" * 64

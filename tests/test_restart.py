@@ -24,9 +24,9 @@ import aiohttp
 import psutil
 import pytest
 
-from agent.config import Env, PreflightSection
-from agent.daemon import Daemon
-from agent.restart import MAX_CRASHES
+from agent.config.model import Env, PreflightSection
+from agent.daemon.restart import MAX_CRASHES
+from agent.daemon.spine import Daemon
 from agent.sinks import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
 from tests.support import tiny_job, wait_for
@@ -343,7 +343,7 @@ def test_a_real_crash_is_counted_in_the_state_file(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("agent.daemon.Daemon._staging", broken)
+    monkeypatch.setattr("agent.daemon.spine.Daemon._staging", broken)
     with pytest.raises(RuntimeError):
         asyncio.run(Daemon(job, env).run())
     state = StateStore(env.state_dir).load()
@@ -459,7 +459,7 @@ def test_state_files_are_private(tmp_path: Path, dataset: Path) -> None:
 
 
 def test_an_unreadable_state_file_is_a_clear_error_not_a_guess(tmp_path: Path) -> None:
-    from agent.daemon import AgentError
+    from agent.daemon.spine import AgentError
 
     job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
     env = Env(state_dir=tmp_path / "state")

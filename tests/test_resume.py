@@ -1,4 +1,5 @@
-"""The resume rules (agent/resume.py) and the resume command line (agent/trainer.py)."""
+"""The resume rules (agent/policy/resume.py) and the resume command line
+(agent/trainer/process.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import LimitsSection
-from agent.jobfile import parse_job
-from agent.resume import (
+from agent.config.jobfile import parse_job
+from agent.config.model import LimitsSection
+from agent.policy.resume import (
     BOOT_ID_ENV,
     AlreadyDone,
     boot_id,
@@ -17,9 +18,9 @@ from agent.resume import (
     decide,
     new_box_epochs,
 )
-from agent.rundir import RunStatus
 from agent.state import Reason
-from agent.trainer import Outcome, OutcomeKind, build_argv
+from agent.trainer.process import Outcome, OutcomeKind, build_argv
+from agent.trainer.rundir import RunStatus
 
 CFG = LimitsSection(max_restarts=3, restart_backoff_s=10.0)
 

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.rundir import (
+from agent.trainer.rundir import (
     RunStatus,
     RunWatcher,
     effective_state,

@@ -1,5 +1,5 @@
-"""sd_notify (agent/sdnotify.py) against a real unix datagram socket bound here, as systemd binds
-it; and the unit file (systemd/libreyolo-agent.service) through ``systemd-analyze verify``."""
+"""sd_notify (agent/util/sdnotify.py) against a real unix datagram socket bound here, as systemd
+binds it; and the unit file (systemd/libreyolo-agent.service) through ``systemd-analyze verify``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sdnotify import SdNotify
+from agent.util.sdnotify import SdNotify
 
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "libreyolo-agent.service"
 
@@ -145,7 +145,7 @@ def test_a_vanished_socket_never_raises_and_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     n = SdNotify.from_env({"NOTIFY_SOCKET": str(tmp_path / "gone")})
-    with caplog.at_level(logging.ERROR, logger="agent.sdnotify"):
+    with caplog.at_level(logging.ERROR, logger="agent.util.sdnotify"):
         results = [n.ready("a"), n.status("b"), n.status("c"), n.stopping("d")]
     n.close()
     assert results == [False] * 4

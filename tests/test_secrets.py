@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from agent import report
-from agent.config import Env
-from agent.daemon import Daemon
+from agent.config.model import Env
+from agent.daemon.spine import Daemon
 from agent.events import Event
 from agent.state import Phase
+from agent.status import report
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.fakes.scripted_trainer import SCRIPT
 from tests.support import tiny_job, wait_for

@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent import steering
 from agent.events import EventBus
-from agent.server import StatusServer, host_header_name, is_loopback
+from agent.policy import steering
+from agent.policy.steering import SteeringError
 from agent.state import Phase, RunState
-from agent.steering import SteeringError
+from agent.status.server import StatusServer, host_header_name, is_loopback
 
 TOKEN = "tok_SECRET_1234"
 
@@ -87,7 +87,7 @@ def test_idle_and_slowloris_flood_past_the_cap_leaves_healthz_answering(
     """1,100 idle connections once held every descriptor of the agent; 200 slowloris
     connections were all held. Now the cap holds, /healthz answers at once, and every idle
     socket is closed by the server within the header timeout."""
-    caplog.set_level(logging.INFO, logger="agent.server")
+    caplog.set_level(logging.INFO, logger="agent.status.server")
 
     async def main() -> None:
         async with serving(max_connections=8, header_timeout_s=1.0) as (server, port):
@@ -124,7 +124,7 @@ def test_idle_and_slowloris_flood_past_the_cap_leaves_healthz_answering(
 def test_slowloris_trickling_a_head_is_closed_at_the_header_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.server")
+    caplog.set_level(logging.INFO, logger="agent.status.server")
 
     async def main() -> None:
         async with serving(header_timeout_s=1.0, keepalive_timeout_s=30.0) as (server, port):
@@ -352,7 +352,7 @@ def test_is_loopback() -> None:
 
 
 def test_loopback_bind_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="agent.server")
+    caplog.set_level(logging.INFO, logger="agent.status.server")
 
     async def main() -> None:
         async with serving():
@@ -525,7 +525,7 @@ def test_a_body_that_is_not_utf8_is_a_bad_request() -> None:
 def test_a_steering_error_is_answered_with_its_status_and_message(
     error: SteeringError, status: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.server")
+    caplog.set_level(logging.INFO, logger="agent.status.server")
     rec = Recorder()
     rec.fail = error
 

@@ -13,7 +13,7 @@ from huggingface_hub import get_session
 from huggingface_hub.errors import HfHubHTTPError
 
 from agent import hub as agent_hub
-from agent.config import Env
+from agent.config.model import Env
 from agent.sinks import RemoteFile, SinkError, make_sink, sha256_file
 from agent.sinks.hf import HubSink
 from tests.fakes.hub import FakeHub, overlaps, run_fake_hub
@@ -56,7 +56,7 @@ def text(tmp_path: Path) -> Path:
 
 
 def test_make_sink_builds_a_hub_sink_for_hf_targets(hub: FakeHub) -> None:
-    from agent.config import SyncSection
+    from agent.config.model import SyncSection
 
     s = make_sink(SyncSection(target=f"hf://{REPO}"), Env(hf_endpoint=hub.url, hf_token=GOOD))
     assert isinstance(s, HubSink)

@@ -9,7 +9,7 @@ from pathlib import Path, PosixPath
 
 from agent.sinks import DIGESTS, copy_hashing, sha256_file
 from agent.sinks.local import LocalSink
-from agent.snapshots import Snapshotter, has_content
+from agent.sync.snapshots import Snapshotter, has_content
 from tests.fakes.scripted_trainer import write_checkpoint
 
 

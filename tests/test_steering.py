@@ -6,8 +6,7 @@ import logging
 
 import pytest
 
-from agent.state import Phase, RunState
-from agent.steering import (
+from agent.policy.steering import (
     MAX_REQUEST_S,
     STATUS_ACTIONS,
     SteeringError,
@@ -21,6 +20,7 @@ from agent.steering import (
     steering_status,
     utc_iso,
 )
+from agent.state import Phase, RunState
 
 #: 2025-06-01T00:00:00Z: the run's first boot.
 T0 = 1748736000.0
@@ -104,7 +104,7 @@ def test_a_body_with_control_characters_gives_a_one_line_message() -> None:
 
 
 def test_extend_moves_the_deadline_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="agent.steering")
+    caplog.set_level(logging.INFO, logger="agent.policy.steering")
     state = run()
     now = T0 + 10 * H  # max_runtime 12h: 2h left
     answer = extend(state, 2 * H, now=now, max_runtime_s=12 * H)
@@ -122,7 +122,7 @@ def test_extend_moves_the_deadline_and_logs_it(caplog: pytest.LogCaptureFixture)
     answer = extend(state, 20 * 60, now=now + 40 * 60, max_runtime_s=12 * H)
     assert state.extended_s == 2 * H + 1200
     assert answer["message"].endswith("at 2025-06-01T14:20:00Z (in 3h40m)")
-    (first, second) = [r for r in caplog.records if r.name == "agent.steering"]
+    (first, second) = [r for r in caplog.records if r.name == "agent.policy.steering"]
     assert first.levelno == logging.INFO
     assert first.getMessage() == (
         "steering at 2025-06-01T10:00:00Z: extend by 2h: max_runtime deadline now "
@@ -196,7 +196,7 @@ def test_extend_refuses_a_duration_that_is_not_positive(seconds: float) -> None:
 def test_hold_before_the_end_keeps_the_box_until_release(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.steering")
+    caplog.set_level(logging.INFO, logger="agent.policy.steering")
     state = run()
     now = T0 + H
     answer = hold(state, now=now, timeout_s=12 * H)
@@ -217,7 +217,7 @@ def test_hold_before_the_end_keeps_the_box_until_release(
         "until": now + 12 * H,
         "renewed": False,
     }
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "agent.steering"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "agent.policy.steering"]
     assert line == (
         "steering at 2025-06-01T01:00:00Z: hold set in phase TRAINING: the box is kept until "
         "2025-06-01T13:00:00Z (in 12h) unless released"

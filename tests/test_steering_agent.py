@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.config import Env
+from agent.config.model import Env
 from agent.state import Phase, Reason, StateStore
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import wait_for
@@ -368,7 +368,7 @@ def test_the_real_libreyolo_refusing_an_option_at_launch_is_a_failed_preflight(
     # `cache` is text to LibreYOLO's types, so `check` lets "sometimes" through; the command
     # itself refuses it (config_type_error, exit 2) before epoch 1.
     from agent import demo
-    from agent.daemon import Daemon
+    from agent.daemon.spine import Daemon
     from tests.support import tiny_job
 
     data = demo.make_dataset(tmp_path / "ds")

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from agent.config import Env
-from agent.cost import stopped_usd_per_hour
-from agent.daemon import Daemon
-from agent.disk import nearest_existing
+from agent.config.model import Env
+from agent.daemon.spine import Daemon
+from agent.policy.cost import stopped_usd_per_hour
 from agent.state import Reason
+from agent.util.disk import nearest_existing
 from tests.fakes.providers import run_fake_vast
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import tiny_job

@@ -1,4 +1,5 @@
-"""Supervision that survives (agent/supervise.py, agent/resume.py), daemon-level: the whole agent
+"""Supervision that survives (agent/daemon/training.py, agent/policy/resume.py), daemon-level: the
+whole agent
 in-process, the scripted stand-in trainer as a real process (tests/fakes/scripted_launcher.py),
 checkpoints synced to a ``file://`` target.
 
@@ -24,10 +25,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent import diskwatch, logutil
-from agent.config import Env, Job
-from agent.daemon import Daemon
+from agent.config.model import Env, Job
+from agent.daemon.spine import Daemon
 from agent.state import Phase, Reason, StateStore
+from agent.util import logutil
+from agent.watch import disk as diskwatch
 from tests.fakes.metadata import run_fake_imds
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import tiny_job, wait_for
@@ -468,7 +470,7 @@ def last_pt_verified(run: Run) -> bool:
 def test_a_preemption_notice_saves_last_pt_stops_the_trainer_and_the_survivor_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent.supervise.PREEMPT_SURVIVAL_S", 0.5)
+    monkeypatch.setattr("agent.daemon.training.PREEMPT_SURVIVAL_S", 0.5)
     seen: dict[str, Any] = {}
     with run_fake_imds() as imds:
         job = every_10(preemption_job(tmp_path, imds.url))

@@ -309,7 +309,7 @@ def test_a_bad_option_or_job_file_is_exit_2_before_anything_starts(tmp_path: Pat
         if options:
             assert not state_dir.exists()
     # No agent was started; the bad job file got the box's failure decision, in state.json
-    # (agent/badjob.py; provider "none" here: a dry run).
+    # (agent/daemon/badjob.py; provider "none" here: a dry run).
     assert not (state_dir / LOG_FILE).exists()
     state = json.loads((state_dir / "state.json").read_text())
     assert state["reason"] == "preflight_failed" and state["cause"].startswith("bad job file")
@@ -337,10 +337,10 @@ NOT_IN_THE_SUPERVISOR = (
     "agent.cli",
     "agent.client",
     "agent.config",
-    "agent.jobfile",
-    "agent.jobvalues",
-    "agent.guardplan",
-    "agent.badjob",
+    "agent.config.jobfile",
+    "agent.config.jobvalues",
+    "agent.guard.plan",
+    "agent.daemon.badjob",
     "agent.demo",
 )
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from agent.config import SyncSection
-from agent.rundir import read_status
+from agent.config.model import SyncSection
 from agent.sinks import RemoteFile, SinkError, sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync import Item, ItemKind, SyncEngine
+from agent.sync.engine import Item, ItemKind, SyncEngine
+from agent.trainer.rundir import read_status
 from tests.fakes.scripted_trainer import write_checkpoint
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from agent.sinks import sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync import ItemKind, Ledger, SyncEngine
+from agent.sync.engine import ItemKind, Ledger, SyncEngine
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until
 
 

@@ -8,10 +8,10 @@ import asyncio
 import os
 from pathlib import Path
 
-from agent.rundir import read_status
 from agent.sinks import copy_hashing, sha256_file
-from agent.snapshots import Snapshotter
-from agent.sync import SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.snapshots import Snapshotter
+from agent.trainer.rundir import read_status
 from tests.test_sync import FaultySink, running, sync_cfg, write_epoch
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Env, TeardownSection
-from agent.daemon import Daemon
+from agent.config.model import Env, TeardownSection
+from agent.daemon.spine import Daemon
 from agent.events import Event
-from agent.guardplan import guard_pid
+from agent.guard.plan import guard_pid
+from agent.policy.teardown import decide
 from agent.state import Phase, Reason, StateStore
-from agent.teardown import decide
 from tests.fakes.providers import FakeVast, run_fake_vast
 from tests.support import tiny_job
 from tests.test_daemon import dataset, requires_libreyolo

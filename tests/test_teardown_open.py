@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 
-from agent.config import NotifySection
+from agent.config.model import NotifySection
 from agent.events import EventBus
-from agent.guardplan import guard_pid
-from agent.notify import Notifier
+from agent.guard.plan import guard_pid
+from agent.policy.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, is_open, timing_from_env
 from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
-from agent.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, is_open, timing_from_env
+from agent.status.notify import Notifier
 from tests.fakes.providers import FakeVast, run_fake_vast
 from tests.support import tiny_job_text
 
@@ -273,7 +273,7 @@ def test_the_timing_variable_shrinks_the_provider_and_the_open_pause() -> None:
     assert timing is not None and timing.retry_s == 1.0 and timing.confirm_s == 20.0
     assert pause == (0.3, 1.0)
     assert timing_from_env({}) == (None, (15.0, 300.0))
-    from agent.config import ConfigError
+    from agent.config.model import ConfigError
 
     for bad in ("retry=1", "retry_s=abc", "retry_s=-1", "open_max_s=inf"):
         with pytest.raises(ConfigError, match="LIBREYOLO_AGENT_TEARDOWN_TIMING"):
@@ -324,7 +324,7 @@ def test_the_supervisor_starts_an_agent_that_exited_with_its_teardown_open_again
 
 
 def test_every_status_text_says_an_open_teardown_may_still_bill() -> None:
-    from agent import statusfmt
+    from agent.status import summary as statusfmt
 
     open_td = {"action": "destroy", "performed": False, "confirmed": False, "attempts": 4}
     done_td = {"action": "destroy", "performed": True, "confirmed": True, "detail": "gone"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.text import format_bytes, one_line, os_error, show
+from agent.util.text import format_bytes, one_line, os_error, show
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,8 @@ def test_os_error_is_short_and_greppable() -> None:
 
 @pytest.mark.parametrize("module", ["text", "disk", "threads", "backoff"])
 def test_base_helpers_import_nothing_of_the_agent(module: str) -> None:
-    # So the generic layers (agent.archive, agent.datacheck) can use them and stay generic.
+    # So the generic layers (agent.data.archive, agent.data.datacheck) can use them and stay
+    # generic.
     tree = ast.parse((REPO_ROOT / "agent" / f"{module}.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names

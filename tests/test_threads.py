@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from agent.threads import in_daemon_thread, in_thread
+from agent.util.threads import in_daemon_thread, in_thread
 
 
 def test_in_daemon_thread_returns_result_and_error_in_a_named_daemon_thread() -> None:

@@ -1,4 +1,4 @@
-"""agent/torchmeta.py: which torch an interpreter would import, its version, CUDA build and
+"""agent/install/torchmeta.py: which torch an interpreter would import, its version, CUDA build and
 kernels, read from its files (never imported): against stand-in distributions and, where this
 interpreter has one, the real torch."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import torchmeta
+from agent.install import torchmeta
 from tests.fakes.image_torch import fatbin_elf, write_dist, write_torch
 
 

@@ -1,4 +1,5 @@
-"""agent/torchpick.py: the torch decision from one nvidia-smi query (driver 535/550/570/580) and
+"""agent/install/torchpick.py: the torch decision from one nvidia-smi query (driver
+535/550/570/580) and
 the image's torch read from its files, PyTorch's CPU index on a machine without nvidia-smi,
 LibreYOLO's extras for a job, and the "nothing left to install" check."""
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import torchpick
-from agent.torchpick import Gpu, ImageTorch, Smi, decide, has_kernels, parse_smi
+from agent.install import torchpick
+from agent.install.torchpick import Gpu, ImageTorch, Smi, decide, has_kernels, parse_smi
 from tests.fakes.image_torch import image_venv
 from tests.fakes.torch_index import CPU_PAGES, closed_port, cpu_index, simple_page
 
@@ -184,7 +185,7 @@ def pick(env: dict[str, str], tmp_path: Path, *args: str) -> subprocess.Complete
         [
             sys.executable,
             "-m",
-            "agent.torchpick",
+            "agent.install.torchpick",
             "--python",
             str(tmp_path / "image" / "bin" / "python"),
             *args,
@@ -287,7 +288,15 @@ def test_sees_says_which_torch_a_venv_imports(tmp_path: Path) -> None:
     def sees(*expect: Path) -> subprocess.CompletedProcess[str]:
         words = [a for p in expect for a in ("--expect", str(p))]
         return subprocess.run(
-            [sys.executable, "-m", "agent.torchpick", "sees", "--python", str(python), *words],
+            [
+                sys.executable,
+                "-m",
+                "agent.install.torchpick",
+                "sees",
+                "--python",
+                str(python),
+                *words,
+            ],
             capture_output=True,
             text=True,
             cwd=REPO_ROOT,
@@ -302,7 +311,14 @@ def test_sees_says_which_torch_a_venv_imports(tmp_path: Path) -> None:
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     none = subprocess.run(
-        [sys.executable, "-m", "agent.torchpick", "sees", "--python", str(bare / "bin/python")],
+        [
+            sys.executable,
+            "-m",
+            "agent.install.torchpick",
+            "sees",
+            "--python",
+            str(bare / "bin/python"),
+        ],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -358,7 +374,7 @@ def extras(tmp_path: Path, toml: str, *args: str) -> subprocess.CompletedProcess
     job = tmp_path / "job.toml"
     job.write_text(toml, encoding="utf-8")
     return subprocess.run(
-        [sys.executable, "-m", "agent.torchpick", "extras", str(job), *args],
+        [sys.executable, "-m", "agent.install.torchpick", "extras", str(job), *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -1,4 +1,4 @@
-"""The Python-API launcher for device lists (``agent.train_entry``), on the real LibreYOLO.
+"""The Python-API launcher for device lists (``agent.trainer.train_entry``), on the real LibreYOLO.
 
 A real multi-GPU run needs several GPUs (docs/gpu-validation.md says what ran where). On this
 CPU machine the tests prove the plumbing: the list reaches ``model.train(device=...)``, where
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from agent import demo
-from agent.jobfile import parse_job
-from agent.train_entry import _with_devices, split_device
-from agent.trainer import build_argv, uses_python_api
+from agent.config.jobfile import parse_job
+from agent.trainer.process import build_argv, uses_python_api
+from agent.trainer.train_entry import _with_devices, split_device
 
 pytestmark = pytest.mark.training
 
@@ -47,7 +47,7 @@ def test_device_lists_launch_through_the_python_api(tmp_path: Path) -> None:
     job = parse_job('[train]\ndata = "d.yaml"\ndevice = "0,1"\n', base_dir=tmp_path)
     assert uses_python_api(job)
     argv = build_argv(job, python="/venv/bin/python")
-    assert argv[:3] == ["/venv/bin/python", "-m", "agent.train_entry"]
+    assert argv[:3] == ["/venv/bin/python", "-m", "agent.trainer.train_entry"]
     assert "device=0,1" in argv and argv[-1] == "json=true"
     single = parse_job('[train]\ndata = "d.yaml"\ndevice = "0"\n', base_dir=tmp_path)
     assert not uses_python_api(single)
@@ -60,7 +60,7 @@ def _entry(tmp_path: Path, device: str) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "agent.train_entry",
+            "agent.trainer.train_entry",
             "model=yolox-n",
             "pretrained=false",
             f"data={data}",

@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from agent.rundir import RunStatus, effective_state, pid_alive, read_status
 from agent.state import Reason, TrainerRecord
-from agent.trainer import (
+from agent.trainer.process import (
     Outcome,
     OutcomeKind,
     Trainer,
@@ -28,6 +27,7 @@ from agent.trainer import (
     process_tree,
     read_result,
 )
+from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_status
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "scripted_trainer.py"
 T = TypeVar("T")
@@ -532,7 +532,7 @@ def test_an_outcome_names_its_kind_as_a_word_in_causes_and_logs() -> None:
 def test_process_tree_follows_children_across_sessions_reading_only_the_tree() -> None:
     """process_tree reads /proc/PID/task/TID/children (the tree only) and finds what psutil's
     scan of every process finds, a grandchild in its own session included."""
-    from agent.trainer import tree_cpu_seconds
+    from agent.trainer.process import tree_cpu_seconds
 
     script = (
         "import os, subprocess, sys, time\n"

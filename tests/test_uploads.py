@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.config import SyncSection
-from agent.ledger import ItemKind, Ledger
+from agent.config.model import SyncSection
 from agent.sinks import Sink, sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync import SyncEngine
-from agent.uploads import Item, Throttle, UploadQueue
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind, Ledger
+from agent.sync.uploads import Item, Throttle, UploadQueue
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until
 
 

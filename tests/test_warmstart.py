@@ -1,5 +1,5 @@
-"""The warm start (agent/warmstart.py, agent/warm_entry.py): the trainer's own Python runs the
-torch probe, waits at a gate, and trains when the agent hands it the command line.
+"""The warm start (agent/trainer/warmstart.py, agent/trainer/warm_entry.py): the trainer's own
+Python runs the torch probe, waits at a gate, and trains when the agent hands it the command line.
 
 Real processes throughout: the probe runs against the stand-in ``torch`` (GPU scenarios on a
 CPU machine) with the stand-in ``libreyolo.cli`` as the trainer, so that what this process had
@@ -25,16 +25,16 @@ import psutil
 import pytest
 
 from agent import demo
-from agent.config import PreflightSection
-from agent.daemon import Daemon
-from agent.jobfile import job_from_dict
+from agent.config.jobfile import job_from_dict
+from agent.config.model import PreflightSection
+from agent.daemon.spine import Daemon
 from agent.preflight import FAIL, PASS, run_preflight
 from agent.preflight.cuda import warm_probe_config
 from agent.preflight.plan import plan_for
-from agent.trainargs import find_libreyolo
-from agent.trainer import ProcessLauncher
-from agent.warm_entry import CALLED_OFF
-from agent.warmstart import WarmStart, for_job, trainer_python
+from agent.trainer.argv import find_libreyolo
+from agent.trainer.process import ProcessLauncher
+from agent.trainer.warm_entry import CALLED_OFF
+from agent.trainer.warmstart import WarmStart, for_job, trainer_python
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import wait_for
 from tests.test_daemon import env_for, requires_libreyolo, run_daemon
@@ -156,7 +156,7 @@ def test_an_agent_that_dies_before_the_go_leaves_nothing_training(
         "from pathlib import Path\n"
         "from agent.preflight.cuda import warm_probe_config\n"
         "from agent.preflight.plan import plan_for\n"
-        "from agent.warmstart import WarmStart\n"
+        "from agent.trainer.warmstart import WarmStart\n"
         "from tests.test_preflight import STANDIN, make_job\n"
         "tmp = Path(sys.argv[1])\n"
         "job = make_job(tmp, train={'device': 0})\n"

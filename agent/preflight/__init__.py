@@ -4,7 +4,8 @@ Every check is a :class:`Check` named like ``gpu0.matmul`` or ``disk.runs``, wit
 (``pass``, ``warn``, ``fail``), the measured value and, when it did not pass, a one-line fix.
 ``run_preflight`` returns them all in a :class:`PreflightReport`; ``ok`` means nothing failed.
 
-Everything that needs torch runs in a child Python (``agent/probe.py``) in its own session, under
+Everything that needs torch runs in a child Python (``agent/preflight/probe.py``) in its own
+session, under
 ``job.preflight.timeout_s``: this process never imports torch, and a hung GPU makes the child's
 whole process group get killed and reported as a failure instead of hanging the agent. While the
 child runs, this process reads the NVIDIA driver (NVML, else ``nvidia-smi``) and asks the Hub
@@ -20,7 +21,7 @@ base modules: ``config``, ``hub``, and the helpers ``threads``, ``text`` and ``d
   the CUDA side (the probe's child process, the NVIDIA driver, the verdicts on GPUs).
 * :mod:`~agent.preflight.host`: the host side (disk, volumes, shm, RAM, CPUs, cgroups); its
   docstring says where the estimates come from.
-* :mod:`~agent.preflight.hub`: the Hub side (dataset size and access, ``HF_TOKEN``).
+* :mod:`~agent.preflight.hub_access`: the Hub side (dataset size and access, ``HF_TOKEN``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from agent.config import Env, Job
+from agent.config.model import Env, Job
 from agent.preflight.cloud import provider_check
 from agent.preflight.cuda import (
     GPU_FREE_MEMORY_MIN_FRACTION,
@@ -83,7 +84,7 @@ from agent.preflight.host import (
     read_mounts,
     unpack_factor,
 )
-from agent.preflight.hub import HUB_TIMEOUT_S, hub_checks, hub_facts
+from agent.preflight.hub_access import HUB_TIMEOUT_S, hub_checks, hub_facts
 from agent.preflight.plan import (
     AUTO_BATCH_PER_GPU,
     DEFAULT_BATCH,
@@ -108,7 +109,7 @@ from agent.preflight.report import (
     format_table,
 )
 from agent.preflight.runner import KILL_GRACE_S, PROBE_PATH, ProbeResult, run_probe
-from agent.text import format_bytes
+from agent.util.text import format_bytes
 
 __all__ = [
     "AUTO_BATCH_PER_GPU",
@@ -204,7 +205,7 @@ async def run_preflight(
     still running): ``ok`` says none of them failed, so the dataset may be staged meanwhile.
 
     ``probe_runner(timeout_s)`` runs the torch probe instead of a child Python: the warm start
-    (:class:`agent.warmstart.WarmStart`) runs it in the trainer's own process.
+    (:class:`agent.trainer.warmstart.WarmStart`) runs it in the trainer's own process.
     """
     t0 = time.monotonic()
     plan = plan_for(job)

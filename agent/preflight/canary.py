@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.config import Env, Job
+from agent.config.model import Env, Job
 from agent.preflight.guardplan_check import guard_plan_check
 from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
 from agent.sinks import Sink, SinkError

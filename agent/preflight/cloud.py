@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from agent.config import Env, Job
+from agent.config.model import Env, Job
 from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
 from agent.providers import Provider, ProviderError, make_provider
 
@@ -53,7 +53,8 @@ async def provider_check(
     details = {
         "instance_id": ident.instance_id,
         "price_usd_per_hour": price,
-        # What a stopped box pays, where the provider says it (agent/status.py reads these).
+        # What a stopped box pays, where the provider says it (agent/status/document.py reads
+        # these).
         "disk_gb": ident.disk_gb,
         "storage_usd_per_gb_month": ident.storage_usd_per_gb_month,
     }

@@ -33,7 +33,7 @@ from agent.preflight.report import (
     strip_exc_type,
 )
 from agent.preflight.runner import ProbeResult
-from agent.text import format_bytes
+from agent.util.text import format_bytes
 
 #: Side of the square matmul each GPU must get right.
 MATMUL_N = 2000
@@ -46,7 +46,7 @@ _NO_KERNEL = "no kernel image is available"
 
 
 def probe_config(plan: Plan) -> dict[str, Any]:
-    """What ``agent/probe.py`` is asked to measure, and its own deadline."""
+    """What ``agent/preflight/probe.py`` is asked to measure, and its own deadline."""
     return {
         "matmul_n": MATMUL_N,
         "matmul_tolerance": MATMUL_TOLERANCE,
@@ -58,7 +58,8 @@ def probe_config(plan: Plan) -> dict[str, Any]:
 
 
 def warm_probe_config(plan: Plan) -> dict[str, Any] | None:
-    """The probe's config when it runs in the trainer's own process (``agent/warm_entry.py``),
+    """The probe's config when it runs in the trainer's own process
+    (``agent/trainer/warm_entry.py``),
     or None when this job cannot start warm: only one training process on at most one GPU
     (a DDP coordinator must hold no CUDA context). The probe touches only the job's GPU, and
     imports LibreYOLO's training stack, which the trainer needs next anyway."""
@@ -161,7 +162,7 @@ def _probe_check(probe: ProbeResult, plan: Plan) -> Check:
                 "probe",
                 FAIL,
                 f"the probe failed at {stage}: {first_line(err)}",
-                "run `python agent/probe.py` by hand to see the whole error",
+                "run `python agent/preflight/probe.py` by hand to see the whole error",
                 error=err,
                 traceback=probe.doc.get("traceback"),
                 **details,
@@ -196,7 +197,7 @@ def _probe_check(probe: ProbeResult, plan: Plan) -> Check:
         "probe",
         FAIL,
         f"the torch probe died at {stage} ({reason})" + (f": {last}" if last else ""),
-        "run `python agent/probe.py` by hand with the same interpreter to see the error",
+        "run `python agent/preflight/probe.py` by hand with the same interpreter to see the error",
         stderr_tail=probe.stderr_tail,
         **details,
     )

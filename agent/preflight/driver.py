@@ -12,11 +12,11 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from agent.nvml import NVMLError
-from agent.nvmlhost import NvmlHost
+from agent.gpu.nvml import NVMLError
+from agent.gpu.nvmlhost import NvmlHost
 from agent.preflight.report import FAIL, PASS, WARN, Check, first_line, make_check
 from agent.preflight.runner import kill_group
-from agent.threads import in_thread
+from agent.util.threads import in_thread
 
 #: Seconds the driver query (NVML, else nvidia-smi) may take.
 DRIVER_TIMEOUT_S = 15.0
@@ -40,7 +40,7 @@ class DriverInfo:
 
 def _nvml_driver(timeout_s: float) -> DriverInfo:
     """The driver's version and the CUDA it supports, asked of NVML in an NVML host process
-    (:mod:`agent.nvmlhost`: the driver's libraries never enter the agent), ended afterwards."""
+    (:mod:`agent.gpu.nvmlhost`: the driver's libraries never enter the agent), ended afterwards."""
     host = NvmlHost(timeout_s=timeout_s, init_timeout_s=timeout_s)
     try:
         host.nvmlInit()

@@ -1,4 +1,4 @@
-"""``guard.plan``: what the guard (agent/guard.py) will do with this box if the agent dies, said
+"""``guard.plan``: what the guard (agent/guard/run.py) will do with this box if the agent dies, said
 before training, where the user can still choose.
 
 The guard never destroys checkpoints that are not verified off the box: where it would stop the
@@ -10,7 +10,7 @@ warning (the job may still be right to run), one line with what to change.
 
 from __future__ import annotations
 
-from agent.config import Job
+from agent.config.model import Job
 from agent.preflight.report import WARN, Check, make_check
 
 NAME = "guard.plan"

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.config import Env
-from agent.disk import disk_free, nearest_existing
+from agent.config.model import Env
 from agent.preflight.plan import (
     AUTO_BATCH_PER_GPU,
     DEFAULT_BATCH,
@@ -42,7 +41,8 @@ from agent.preflight.plan import (
     Plan,
 )
 from agent.preflight.report import FAIL, PASS, WARN, Check, GiB, make_check
-from agent.text import format_bytes
+from agent.util.disk import disk_free, nearest_existing
+from agent.util.text import format_bytes
 
 #: The 30 % headroom rule: a location needs what it will hold times this.
 DISK_HEADROOM = 1.3

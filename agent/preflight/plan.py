@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.config import DatasetSection, Job, JobSection, PreflightSection, TrainValue
+from agent.config.model import DatasetSection, Job, JobSection, PreflightSection, TrainValue
 
 #: LibreYOLO 1.6.0 training defaults the estimates fall back on.
 DEFAULT_EPOCHS = 300

@@ -1,4 +1,4 @@
-"""Running the torch probe (``agent/probe.py``) in a child Python, in its own session.
+"""Running the torch probe (``agent/preflight/probe.py``) in a child Python, in its own session.
 
 The child gets a deadline; when it passes, its whole process group is killed (a hung GPU, a
 hung NCCL worker), and the result says at which stage it hung. Its stderr is read by chunks and
@@ -21,10 +21,11 @@ from typing import Any
 log = logging.getLogger("agent.preflight")
 
 #: The probe script, run by path (it sits beside this package, in ``agent/``).
-PROBE_PATH = Path(__file__).parent.parent / "probe.py"
+PROBE_PATH = Path(__file__).parent / "probe.py"
 #: Seconds to wait for a killed probe to go away before giving up on it.
 KILL_GRACE_S = 5.0
-#: The probe's stage lines and document version (``agent/probe.py``, which this package does
+#: The probe's stage lines and document version (``agent/preflight/probe.py``, which this package
+# does
 #: not import: it runs in a child).
 STAGE_PREFIX = "libreyolo-agent-probe: stage "
 PROBE_SCHEMA = 1

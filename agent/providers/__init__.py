@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..config import Env, TeardownAction, TeardownSection
+from agent.config.model import Env, TeardownAction, TeardownSection
 
 if TYPE_CHECKING:
-    from .api import Timing
+    from agent.providers.api import Timing
 
 log = logging.getLogger("agent.providers")
 
@@ -142,22 +142,22 @@ def make_provider(
     the variable to set), and :meth:`Provider.teardown` returns them as an unconfirmed result."""
     env = Env.from_environ() if env is None else env
     if cfg.provider == "vast":
-        from .vast import VastProvider
+        from agent.providers.vast import VastProvider
 
         return VastProvider(cfg, env, timing=timing)
     if cfg.provider == "runpod":
-        from .runpod import RunPodProvider
+        from agent.providers.runpod import RunPodProvider
 
         return RunPodProvider(cfg, env, timing=timing)
     if cfg.provider == "lambda":
-        from .lambdalabs import LambdaProvider
+        from agent.providers.lambdalabs import LambdaProvider
 
         return LambdaProvider(cfg, env, timing=timing)
     if cfg.provider == "command":
-        from .command import CommandProvider
+        from agent.providers.command import CommandProvider
 
         return CommandProvider(cfg, env)
-    from .none import NoneProvider
+    from agent.providers.none import NoneProvider
 
     return NoneProvider()
 

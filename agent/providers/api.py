@@ -27,12 +27,20 @@ from typing import Any, Literal
 
 import aiohttp
 
-from .. import __version__
-from ..backoff import delay_s, retry_after_s
-from ..config import Env, TeardownAction, TeardownSection
-from ..jobvalues import instance_id_problem
-from ..text import one_line
-from . import STOP_NOTE, Identity, OnSent, ProviderError, TeardownResult, finished, redact
+from agent import __version__
+from agent.config.jobvalues import instance_id_problem
+from agent.config.model import Env, TeardownAction, TeardownSection
+from agent.providers import (
+    STOP_NOTE,
+    Identity,
+    OnSent,
+    ProviderError,
+    TeardownResult,
+    finished,
+    redact,
+)
+from agent.util.backoff import delay_s, retry_after_s
+from agent.util.text import one_line
 
 log = logging.getLogger("agent.providers")
 

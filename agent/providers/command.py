@@ -23,8 +23,16 @@ import signal
 import tempfile
 from typing import IO
 
-from ..config import Env, TeardownAction, TeardownSection
-from . import STOP_NOTE, Identity, OnSent, ProviderError, TeardownResult, finished, redact
+from agent.config.model import Env, TeardownAction, TeardownSection
+from agent.providers import (
+    STOP_NOTE,
+    Identity,
+    OnSent,
+    ProviderError,
+    TeardownResult,
+    finished,
+    redact,
+)
 
 log = logging.getLogger("agent.providers")
 

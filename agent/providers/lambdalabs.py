@@ -22,10 +22,10 @@ from typing import Any
 
 import psutil
 
-from ..config import Env, TeardownAction, TeardownSection
-from ..jobvalues import instance_id_problem
-from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, Timing, gone_404, number
+from agent.config.jobvalues import instance_id_problem
+from agent.config.model import Env, TeardownAction, TeardownSection
+from agent.providers import ProviderError
+from agent.providers.api import ApiProvider, Client, Reading, Sent, Timing, gone_404, number
 
 
 def local_names() -> frozenset[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ..config import TeardownAction
-from . import Identity, OnSent, TeardownResult
+from agent.config.model import TeardownAction
+from agent.providers import Identity, OnSent, TeardownResult
 
 log = logging.getLogger("agent.providers.none")
 

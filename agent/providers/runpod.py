@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..config import TeardownAction
-from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, gone_404, number
+from agent.config.model import TeardownAction
+from agent.providers import ProviderError
+from agent.providers.api import ApiProvider, Client, Reading, Sent, gone_404, number
 
 #: Where a pod says its price (USD per hour), first found wins: the REST v2 Pod's ``cost``
 #: ("0.0 when EXITED or TERMINATED"), then REST v1/GraphQL's ``adjustedCostPerHr`` (after

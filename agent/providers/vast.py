@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..config import TeardownAction
-from . import ProviderError
-from .api import ApiProvider, Client, Reading, Sent, gone_404, number
+from agent.config.model import TeardownAction
+from agent.providers import ProviderError
+from agent.providers.api import ApiProvider, Client, Reading, Sent, gone_404, number
 
 #: ``actual_status`` values of a stopped instance: vastai 1.9.1 accepts either.
 _STOPPED = ("exited", "stopped")

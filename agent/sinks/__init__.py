@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..config import Env, SyncSection
+from agent.config.model import Env, SyncSection
 
 
 @dataclass(frozen=True)
@@ -181,11 +181,11 @@ def check_download(tmp: Path, local: Path, expected: RemoteFile, action: str) ->
 def make_sink(sync: SyncSection, env: Env) -> Sink:
     """Build the sink for ``sync.target``."""
     if sync.scheme == "file":
-        from .local import LocalSink
+        from agent.sinks.local import LocalSink
 
         return LocalSink(Path(sync.location))
     if sync.scheme == "hf":
-        from .hf import HubSink
+        from agent.sinks.hf import HubSink
 
         return HubSink(sync.location, env=env, private=sync.private)
     raise ValueError(f"unsupported sync target scheme {sync.scheme!r}")

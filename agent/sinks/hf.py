@@ -41,9 +41,9 @@ from huggingface_hub import (
     hf_raise_for_status,
 )
 
-from .. import __version__, hub
-from ..config import Env
-from . import DIGESTS, RemoteFile, SinkError, check_download
+from agent import __version__, hub
+from agent.config.model import Env
+from agent.sinks import DIGESTS, RemoteFile, SinkError, check_download
 
 log = logging.getLogger(__name__)
 

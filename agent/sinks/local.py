@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from . import DIGESTS, RemoteFile, SinkError, check_download, copy_hashing
+from agent.sinks import DIGESTS, RemoteFile, SinkError, check_download, copy_hashing
 
 
 class LocalSink:

@@ -5,8 +5,8 @@
 images the H200 boxes boot).
 
 Importing the stand-in works (``torch.__version__``, ``torch.version.cuda``,
-``torch.cuda.get_arch_list()``); it does nothing else: install.sh and agent/torchpick.py must
-never import it anyway.
+``torch.cuda.get_arch_list()``); it does nothing else: install.sh and agent/install/torchpick.py
+must never import it anyway.
 """
 
 from __future__ import annotations

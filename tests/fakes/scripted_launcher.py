@@ -1,8 +1,8 @@
 """The real launcher (detached process, own session, launch id, pidfd wait) starting the scripted
 stand-in trainer (:mod:`tests.fakes.scripted_trainer`) instead of ``libreyolo train``.
 
-Only the command lines differ from :class:`agent.trainer.ProcessLauncher`, so the daemon's whole
-training phase (launch, follow, stop, classify, resume) runs against a real process::
+Only the command lines differ from :class:`agent.trainer.process.ProcessLauncher`, so the daemon's
+whole training phase (launch, follow, stop, classify, resume) runs against a real process::
 
     launcher = ScriptedLauncher(epoch_s=0.2, fail_once_at=3)
     Daemon(job, env, launcher=launcher, ...)
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent.config import Job
-from agent.trainer import ProcessLauncher, TrainerProcess
+from agent.config.model import Job
+from agent.trainer.process import ProcessLauncher, TrainerProcess
 from tests.fakes.scripted_trainer import SCRIPT
 
 
@@ -51,8 +51,8 @@ class ScriptedLauncher(ProcessLauncher):
         ]
 
     def resume_argv(self, job: Job, run_dir: Path, total_epochs: int | None) -> list[str]:
-        """What :mod:`agent.supervise` runs to resume ``run_dir`` from its ``last.pt``, like
-        :func:`agent.trainer.build_argv` with ``resume_dir``."""
+        """What :mod:`agent.daemon.training` runs to resume ``run_dir`` from its ``last.pt``, like
+        :func:`agent.trainer.process.build_argv` with ``resume_dir``."""
         epochs = total_epochs or job.train.epochs
         return [
             *self._base(),

@@ -1,4 +1,4 @@
-"""A stand-in ``libreyolo.cli`` for the warm start's hand-off (``agent/warm_entry.py``).
+"""A stand-in ``libreyolo.cli`` for the warm start's hand-off (``agent/trainer/warm_entry.py``).
 
 ``entrypoint()`` prints one JSON line on stdout, as ``libreyolo train ... json=true`` does: the
 command line it got, its pid and whether torch was already imported (the warm start's point),

@@ -1,7 +1,8 @@
 """A stand-in ``torch`` for preflight tests: GPU failures that cannot happen on a CPU machine.
 
 Placed first on the probe's import path (``run_preflight(..., extra_pythonpath=[STANDIN])``), it
-answers the calls ``agent/probe.py`` makes the way a real CUDA build does, failing with the real
+answers the calls ``agent/preflight/probe.py`` makes the way a real CUDA build does, failing with
+the real
 error texts where the scenario says so. The scenario is JSON in ``LIBREYOLO_AGENT_FAKE_TORCH``
 (see ``_scenario.py`` for the keys). Tensors are numpy arrays, so the matmuls are real and the
 probe's comparison with the CPU reference is real too.

@@ -1,0 +1,157 @@
+"""The document ``GET /status`` serves (and ``libreyolo-agent status`` prints): one function of
+what the daemon knows, so the server imports nothing of the agent and the shape is in one place.
+No secret is ever part of it: the state holds none, the sync status names paths and errors only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.config.model import Job, LimitsSection
+from agent.policy.cost import stopped_usd_per_hour
+from agent.policy.limits import deadlines
+from agent.policy.steering import steering_status
+from agent.policy.teardown import NOT_CONFIRMED, is_open
+from agent.state import RunState
+from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_metrics
+from agent.util.disk import nearest_existing
+
+
+@dataclass(frozen=True)
+class StatusInputs:
+    job: Job
+    state: RunState
+    status: RunStatus | None
+    run_dir: Path | None
+    sync: dict[str, Any] | None
+    last_synced_epoch: int | None
+    preflight: dict[str, Any] | None
+    staging: dict[str, Any] | None
+    state_write_error: str | None
+    now: float
+    #: The job's limits with the real price where it is ``auto``.
+    limits: LimitsSection | None = None
+    #: Seconds kept before the deadline for the final sync (agent/policy/limits.py).
+    reserve_s: float = 0.0
+    #: Resumes, stall watch, GPU faults, preemption: what the supervision knows.
+    supervision: dict[str, Any] | None = None
+    #: The webhook notifier's counters (no URL), or None without ``[notify]``.
+    notify: dict[str, Any] | None = None
+    #: "Is this the right box?": the verdict, the projection, the profiler's result.
+    sizing: dict[str, Any] | None = None
+
+
+def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The newest row of metrics.jsonl (the full per-epoch history LibreYOLO keeps)."""
+    rows = read_metrics(run_dir)
+    return rows[-1] if rows else None
+
+
+def status_document(i: StatusInputs) -> dict[str, Any]:
+    st, state, trainer = i.status, i.state, i.state.trainer
+    alive = bool(trainer and pid_alive(trainer.pid, trainer.create_time))
+    eta = st.eta_seconds if st and st.state == "running" else None
+    return {
+        "job": i.job.job.name,
+        "phase": state.phase.value,
+        "reason": state.reason.value if state.reason else None,
+        "cause": state.cause,
+        "epoch": st.completed_epochs if st else None,
+        "total_epochs": (st.total_epochs if st and st.total_epochs else i.job.train.epochs),
+        "eta_seconds": eta,
+        "eta_at": i.now + eta if eta is not None else None,
+        # "running" in status.json is only true while the trainer lives (a kill leaves it).
+        "training_state": effective_state(st, alive=alive) if st else None,
+        "metrics": latest_metrics(i.run_dir) if i.run_dir else None,
+        "best_epoch": st.best_epoch if st else None,
+        "best_metric": st.best_metric if st else None,
+        "run_dir": str(i.run_dir) if i.run_dir else None,
+        "trainer": {"pid": trainer.pid, "alive": alive, "started_at": trainer.started_at}
+        if trainer
+        else None,
+        "outcome": state.outcome,
+        "last_synced_epoch": i.last_synced_epoch,
+        "sync": i.sync,
+        "preflight": i.preflight,
+        "staging": i.staging,
+        "limits": deadlines(
+            i.limits or i.job.limits,
+            job_started_at=state.started_at,
+            extended_s=state.extended_s,
+            reserve_s=i.reserve_s,
+        ),
+        "supervision": i.supervision,
+        "notify": i.notify,
+        "sizing": i.sizing,
+        # What the teardown will do, before it is decided (then ``teardown`` has the record).
+        "teardown_plan": {
+            "provider": i.job.teardown.provider,
+            "on_success": i.job.teardown.on_success,
+            "on_failure": i.job.teardown.on_failure,
+            "require_verified_sync": i.job.teardown.require_verified_sync,
+        },
+        "now": i.now,
+        "steering": steering_status(state, i.now),
+        "money": money(i, eta),
+        "teardown": state.teardown,
+        # A teardown decided and not confirmed by the provider: the box may still bill.
+        "teardown_open": is_open(state.teardown),
+        "teardown_warning": NOT_CONFIRMED if is_open(state.teardown) else None,
+        "started_at": state.started_at,
+        "updated_at": state.updated_at,
+        "agent_pid": state.agent_pid,
+        "state_write_error": i.state_write_error,
+    }
+
+
+def money(i: StatusInputs, eta_s: float | None) -> dict[str, Any]:
+    """Spent so far at the job's price (from the job's first boot), projected to the end of
+    training, and what the box would cost per hour once stopped (disk only: allocated GB x
+    storage price / 720, the figure ``libreyolo-agent cost`` uses; ``stopped_rate_source``
+    says whether the disk is the provider's own figure or an estimate). None where unknown."""
+    lim = i.limits or i.job.limits
+    price = lim.price_usd_per_hour
+    elapsed_h = max(0.0, i.now - i.state.started_at) / 3600.0
+    spent = projected = None
+    if price is not None:
+        spent = price * elapsed_h
+        projected = spent + price * (eta_s or 0.0) / 3600.0
+    # The stopped rate from the provider's own disk figures where it gives them (Vast's
+    # disk_space and storage_cost, read by preflight), else an estimate: this filesystem's size.
+    disk_gb, storage = provider_disk(i.preflight)
+    storage = storage if storage is not None else lim.storage_usd_per_gb_month
+    source = "provider" if disk_gb is not None else "estimate"
+    stopped = None
+    if storage is not None and disk_gb is None:
+        try:
+            disk_gb = shutil.disk_usage(nearest_existing(i.job.job.runs_dir)).total / 1e9
+        except OSError:
+            disk_gb = None
+    if storage is not None and disk_gb is not None:
+        stopped = stopped_usd_per_hour(disk_gb, storage)
+    return {
+        "price_usd_per_hour": price,
+        "price_from_provider": lim.price_auto,
+        "spent_usd": spent,
+        "projected_usd": projected,
+        "budget_usd": lim.budget_usd,
+        "stopped_usd_per_hour": stopped,
+        "stopped_rate_source": source if stopped is not None else None,
+    }
+
+
+def provider_disk(preflight: dict[str, Any] | None) -> tuple[float | None, float | None]:
+    """``(disk GB, storage USD per GB-month)`` as the provider reported them at preflight (the
+    ``provider.*`` check's details), each None where it did not."""
+    for check in (preflight or {}).get("checks") or ():
+        if str(check.get("name", "")).startswith("provider."):
+            details = check.get("details") or {}
+            disk, storage = details.get("disk_gb"), details.get("storage_usd_per_gb_month")
+            return (
+                float(disk) if isinstance(disk, int | float) else None,
+                float(storage) if isinstance(storage, int | float) else None,
+            )
+    return None, None
