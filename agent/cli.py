@@ -296,8 +296,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from agent.install.libreyolo import installed_train_options
     from agent.policy import rent
-    from agent.trainer.argv import installed_train_options
 
     job = _load(args.job)
     env = Env.from_environ()

@@ -10,10 +10,10 @@ It runs ``libreyolo-agent run JOB`` as its child and, when the agent exits, deci
   doubling from ``first_backoff_s`` (5 s) to ``max_backoff_s`` (5 min). An agent that stayed
   up ``min_uptime_s`` (60 s) resets the count; ``max_restarts`` (10) restarts in a row, each
   agent dying sooner than that, and the supervisor gives up (exit 1). The restarted agent
-  re-attaches to the trainer, which outlives it (agent/daemon/restart.py says where it carries on).
+  re-attaches to the trainer, which outlives it (agent/policy/restart.py says where it carries on).
 
 It does not fight the agent's own safety nets: the agent ends its own crash loop with a gated
-teardown (agent/daemon/restart.py; that start exits 0, so it is not restarted), and the guard
+teardown (agent/policy/restart.py; that start exits 0, so it is not restarted), and the guard
 (agent/guard/run.py) stops the box if the agent stays dead past the hard deadline: the supervisor
 never signals the guard (its own session), never touches ``agent.lock`` or the heartbeat, and an
 agent that finds the guard acting exits 1 and is restarted, with backoff, into its verdict

@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.config.model import Env, Job
 from agent.daemon.spine import Daemon
 from agent.policy.resume import valid_checkpoint
-from agent.sinks import RemoteFile, sha256_file
+from agent.sinks import RemoteFile
+from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
 from agent.state import TrainerRecord
 from agent.sync.ledger import LedgerStatus

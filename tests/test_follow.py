@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.data.zipstream import ZipStream
-from agent.sinks import copy_hashing, sha256_file
+from agent.sinks.digests import copy_hashing, sha256_file
 from agent.sync.follow import CheckpointFollower
 from agent.sync.snapshots import Snapshotter
 from agent.trainer.rundir import is_valid_checkpoint

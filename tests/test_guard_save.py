@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from agent.guard.plan import PLAN_FILE, beat
-from agent.sinks import sha256_file
+from agent.sinks.digests import sha256_file
 from agent.state import Phase, Reason, TrainerRecord
 from tests import test_guardplan
 from tests.fakes.providers import run_fake_vast
@@ -337,7 +337,7 @@ def test_the_waiting_guard_imports_no_sink_no_notifier_and_no_psutil() -> None:
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('psutil', 'aiohttp', "
         "'huggingface_hub', 'asyncio') or m in ('agent.guard.save', 'agent.sinks', "
         "'agent.status.notify', 'agent.config.jobfile', 'agent.trainer', 'agent.policy.teardown', "
-        "'agent.providers', 'agent.daemon.restart')]\n"
+        "'agent.providers', 'agent.policy.restart')]\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -40,7 +40,7 @@ from agent.config.model import (
     TrainSection,
     parse_duration,
 )
-from agent.trainer.argv import TrainOptions, installed_train_options
+from agent.install.libreyolo import TrainOptions, installed_train_options
 from agent.trainer.process import build_argv
 
 # --------------------------------------------------------------------------------------------
@@ -2157,7 +2157,7 @@ def test_check_names_every_train_value_of_the_wrong_type_at_once(tmp_path: Path)
 
 
 def test_typed_train_values_are_checked_with_the_given_options() -> None:
-    from agent.trainer.argv import OptionType
+    from agent.install.libreyolo import OptionType
 
     options = TrainOptions(
         names=frozenset({"data", "batch", "amp", "frac"}),

@@ -25,9 +25,9 @@ import psutil
 import pytest
 
 from agent.config.model import Env, PreflightSection
-from agent.daemon.restart import MAX_CRASHES
 from agent.daemon.spine import Daemon
-from agent.sinks import sha256_file
+from agent.policy.restart import MAX_CRASHES
+from agent.sinks.digests import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
 from tests.support import tiny_job, wait_for
 from tests.test_daemon import (

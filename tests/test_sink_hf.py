@@ -14,7 +14,8 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from agent import hub as agent_hub
 from agent.config.model import Env
-from agent.sinks import RemoteFile, SinkError, make_sink, sha256_file
+from agent.sinks import RemoteFile, SinkError, make_sink
+from agent.sinks.digests import sha256_file
 from agent.sinks.hf import HubSink
 from tests.fakes.hub import FakeHub, overlaps, run_fake_hub
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from agent import sinks
-from agent.sinks import DIGESTS, SinkError, sha256_file
+from agent.sinks import SinkError
+from agent.sinks.digests import DIGESTS, sha256_file
 from agent.sinks.local import LocalSink
 
 

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path, PosixPath
 
-from agent.sinks import DIGESTS, copy_hashing, sha256_file
+from agent.sinks.digests import DIGESTS, copy_hashing, sha256_file
 from agent.sinks.local import LocalSink
 from agent.sync.snapshots import Snapshotter, has_content
 from tests.fakes.scripted_trainer import write_checkpoint

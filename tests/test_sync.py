@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from agent.config.model import SyncSection
-from agent.sinks import RemoteFile, SinkError, sha256_file
+from agent.sinks import RemoteFile, SinkError
+from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
 from agent.sync.engine import Item, ItemKind, SyncEngine
 from agent.trainer.rundir import read_status

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agent.sinks import sha256_file
+from agent.sinks.digests import sha256_file
 from agent.sync.engine import ItemKind, Ledger, SyncEngine
 from agent.trainer.rundir import read_status
 from tests.fakes.scripted_trainer import write_checkpoint

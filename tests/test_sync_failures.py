@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agent.sinks import sha256_file
+from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
 from agent.sync.engine import ItemKind, Ledger, SyncEngine
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until

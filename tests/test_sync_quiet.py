@@ -8,7 +8,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from agent.sinks import copy_hashing, sha256_file
+from agent.sinks.digests import copy_hashing, sha256_file
 from agent.sync.engine import SyncEngine
 from agent.sync.snapshots import Snapshotter
 from agent.trainer.rundir import read_status

@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agent.sinks import RemoteFile, sha256_file
+from agent.sinks import RemoteFile
+from agent.sinks.digests import sha256_file
 from agent.sync.engine import Item, ItemKind, SyncEngine
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, upload_all

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.trainer.argv import TrainOptions, installed_train_options, read_train_options
+from agent.install.libreyolo import TrainOptions, installed_train_options, read_train_options
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = installed_train_options()
@@ -104,7 +104,7 @@ def test_installed_libreyolo_options() -> None:
 def test_reading_the_options_imports_neither_torch_nor_libreyolo() -> None:
     script = (
         "import json, sys\n"
-        "from agent.trainer.argv import installed_train_options\n"
+        "from agent.install.libreyolo import installed_train_options\n"
         "o = installed_train_options()\n"
         "mods = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'libreyolo'))\n"
         "print(json.dumps({'n': len(o.names), 'mods': mods}))\n"

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.config.model import SyncSection
-from agent.sinks import Sink, sha256_file
+from agent.sinks import Sink
+from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
 from agent.sync.engine import SyncEngine
 from agent.sync.ledger import ItemKind, Ledger

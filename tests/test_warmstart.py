@@ -28,10 +28,10 @@ from agent import demo
 from agent.config.jobfile import job_from_dict
 from agent.config.model import PreflightSection
 from agent.daemon.spine import Daemon
+from agent.install.libreyolo import find_libreyolo
 from agent.preflight import FAIL, PASS, run_preflight
 from agent.preflight.cuda import warm_probe_config
 from agent.preflight.plan import plan_for
-from agent.trainer.argv import find_libreyolo
 from agent.trainer.process import ProcessLauncher
 from agent.trainer.warm_entry import CALLED_OFF
 from agent.trainer.warmstart import WarmStart, for_job, trainer_python

@@ -64,7 +64,7 @@ from agent.config.model import (
     TrainValue,
     as_action,
 )
-from agent.trainer.argv import TrainOptions, installed_train_options
+from agent.install.libreyolo import TrainOptions, installed_train_options
 
 #: A job file is a few hundred bytes; refuse to read a huge one (or /dev/zero) into memory.
 MAX_JOB_FILE_BYTES = 1 << 20

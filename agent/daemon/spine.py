@@ -21,7 +21,6 @@ from typing import Any
 
 from agent import hub
 from agent.config.model import Env, Job, LimitsSection, TeardownAction, TeardownSection
-from agent.daemon import restart, signals
 from agent.daemon.control import AgentError as AgentError  # re-exported: the CLI catches it
 from agent.daemon.control import ControlMixin
 from agent.daemon.signals import Flags
@@ -30,7 +29,7 @@ from agent.data import staging
 from agent.events import Event, EventBus
 from agent.gpu.health import GpuMonitor
 from agent.guard import plan as guardplan
-from agent.policy import teardown
+from agent.policy import restart, signals, teardown
 from agent.policy.limits import BudgetWarner, effective_limits, read_price
 from agent.policy.resume import boot_id
 from agent.providers import Provider
@@ -270,7 +269,7 @@ class Daemon(TrainingMixin, ControlMixin):
             await self._shutdown()
 
     def _adopt(self, previous: RunState | None) -> Phase | None:
-        """Decide where to start from what a previous agent left (agent/daemon/restart.py); None:
+        """Decide where to start from what a previous agent left (agent/policy/restart.py); None:
         nothing to do."""
         if previous is None:
             return Phase.PREFLIGHT

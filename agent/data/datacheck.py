@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml  # type: ignore[import-untyped,unused-ignore]
 
-from agent.trainer.argv import find_libreyolo
+from agent.install.libreyolo import find_libreyolo
 from agent.util.text import format_bytes, one_line, show
 
 __all__ = [

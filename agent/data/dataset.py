@@ -45,7 +45,7 @@ from agent.data.archive import (
 )
 from agent.data.datacheck import DoctorError, StagingError, check_data_yaml
 from agent.preflight import DISK_HEADROOM
-from agent.sinks import sha256_file
+from agent.sinks.digests import sha256_file
 from agent.util.text import format_bytes
 
 __all__ = [

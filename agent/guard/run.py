@@ -163,8 +163,8 @@ def _is_open(record: dict[str, Any] | None) -> bool:
 
 
 def _reopen_unconfirmed(state: RunState, now: float, *, say: bool) -> bool:
-    """:func:`agent.daemon.restart.reopen_unconfirmed`, imported once state.json says DONE."""
-    from agent.daemon.restart import reopen_unconfirmed
+    """:func:`agent.policy.restart.reopen_unconfirmed`, imported once state.json says DONE."""
+    from agent.policy.restart import reopen_unconfirmed
 
     return reopen_unconfirmed(state, now, say=say)
 
@@ -531,7 +531,7 @@ class Guard:
     def _ended(self, state: RunState) -> bool:
         """The job ended: DONE (its teardown confirmed, or keep) or FAILED (a person must look).
         A DONE whose teardown was never confirmed (an older agent's) is not an end: the guard
-        watches on (state.json is read as TEARDOWN then: agent/daemon/restart.py)."""
+        watches on (state.json is read as TEARDOWN then: agent/policy/restart.py)."""
         if state.phase == Phase.FAILED or (state.phase.terminal and not _is_open(state.teardown)):
             reason = state.reason.value if state.reason else None
             log.info("guard: job ended (%s, reason %s); exiting", state.phase.value, reason)

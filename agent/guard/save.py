@@ -148,7 +148,8 @@ def _verified(entry: dict[str, Any] | None, sha256: str | None, size: int) -> bo
 
 def _upload_and_verify(job: Job, env: Env, local: Path, remote_path: str) -> dict[str, Any]:
     """Blocking: upload ``local`` as ``remote_path`` and read it back."""
-    from agent.sinks import make_sink, sha256_file
+    from agent.sinks import make_sink
+    from agent.sinks.digests import sha256_file
 
     assert job.sync is not None
     if job.sync.scheme == "hf":
@@ -172,7 +173,7 @@ def _upload_and_verify(job: Job, env: Env, local: Path, remote_path: str) -> dic
 def _others_unsaved(run_dir: Path, ledger: dict[str, dict[str, Any]]) -> list[str]:
     """Checkpoints of the run other than last.pt that the target does not hold verified (by the
     agent's ledger: same size; ``best.pt``, rewritten in place, same sha256 too)."""
-    from agent.sinks import sha256_file
+    from agent.sinks.digests import sha256_file
 
     out = []
     with contextlib.suppress(OSError):
@@ -249,7 +250,7 @@ async def _save(
     try:
         size = last.stat().st_size
         if entry is not None and entry.get("size") == size:
-            from agent.sinks import sha256_file
+            from agent.sinks.digests import sha256_file
 
             digest = await asyncio.to_thread(sha256_file, last)
             if _verified(entry, digest, size):

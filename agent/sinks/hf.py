@@ -43,7 +43,8 @@ from huggingface_hub import (
 
 from agent import __version__, hub
 from agent.config.model import Env
-from agent.sinks import DIGESTS, RemoteFile, SinkError, check_download
+from agent.sinks import RemoteFile, SinkError, check_download
+from agent.sinks.digests import DIGESTS
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def _give_known_digest(op: CommitOperationAdd, local: Path) -> None:
     """Hand the client the sha256 the snapshot already computed, so that the upload does not
     read a multi-GB checkpoint once more only to hash it (the LFS batch request and the commit
     need it). Only where the client hashes lazily (``UploadInfo.is_hashed``, ``huggingface_hub``
-    2.x) and only for this exact version of the file (:data:`agent.sinks.DIGESTS`); older
+    2.x) and only for this exact version of the file (:data:`agent.sinks.digests.DIGESTS`); older
     clients hashed it already when ``op`` was built, and nothing changes for them."""
     info = op.upload_info
     if getattr(info, "is_hashed", True):

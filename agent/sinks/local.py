@@ -6,7 +6,8 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from agent.sinks import DIGESTS, RemoteFile, SinkError, check_download, copy_hashing
+from agent.sinks import RemoteFile, SinkError, check_download
+from agent.sinks.digests import DIGESTS, copy_hashing
 
 
 class LocalSink:

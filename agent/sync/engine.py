@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.config.model import SyncSection
-from agent.sinks import DIGESTS, Sink
+from agent.sinks import Sink
+from agent.sinks.digests import DIGESTS
 from agent.state import atomic_write_json
 from agent.sync.follow import CheckpointFollower
 from agent.sync.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
@@ -326,7 +327,7 @@ class SyncEngine:
         return queued
 
     def _unchanged(self, src: Path, remote_path: str) -> bool:
-        """Whether ``src`` is, by its identity (:class:`~agent.sinks.Digests`: any write changes
+        """Whether ``src`` is, by its identity (:class:`~agent.sinks.digests.Digests`: any write changes
         its ctime), the version the target holds or is about to: then nothing is copied."""
         try:
             st = src.stat()

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.data.zipstream import ZipStream
-from agent.sinks import DIGESTS, Digests
+from agent.sinks.digests import DIGESTS, Digests
 from agent.sync.snapshots import Snapshot, Snapshotter, unlink_quietly
 from agent.util.disk import disk_free
 from agent.util.text import os_error

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.sinks import DIGESTS, copy_hashing, sha256_file
+from agent.sinks.digests import DIGESTS, copy_hashing, sha256_file
 from agent.trainer.rundir import is_valid_checkpoint
 from agent.util.text import os_error
 

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import psutil
 
 from agent.config.model import Job, TrainValue
+from agent.install.libreyolo import find_libreyolo
 from agent.state import Reason, TrainerRecord
-from agent.trainer.argv import find_libreyolo
 from agent.trainer.exitwait import wait_exit
 from agent.trainer.rundir import RunStatus, pid_alive
 from agent.trainer.spawn import LAUNCH_ENV, spawn_detached, trainer_env
@@ -62,7 +62,7 @@ EXIT_KINDS = {
 
 def libreyolo_executable() -> str:
     """The ``libreyolo`` next to this Python (the venv), else the one on PATH
-    (:func:`agent.trainer.argv.find_libreyolo`); :class:`TrainerError` when there is neither."""
+    (:func:`agent.install.libreyolo.find_libreyolo`); :class:`TrainerError` when there is neither."""
     found = find_libreyolo()
     if found:
         return found

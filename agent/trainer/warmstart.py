@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from agent.config.model import Job
+from agent.install.libreyolo import find_libreyolo
 from agent.preflight.cuda import warm_probe_config
 from agent.preflight.plan import plan_for
 from agent.preflight.runner import (
@@ -48,7 +49,6 @@ from agent.preflight.runner import (
     warn_hung,
 )
 from agent.state import TrainerRecord
-from agent.trainer.argv import find_libreyolo
 from agent.trainer.process import ProcessLauncher, Trainer
 from agent.trainer.rundir import pid_alive
 from agent.trainer.spawn import TrainerError, spawn_detached, trainer_env

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.config.model import Job
+from agent.install.libreyolo import find_libreyolo
 from agent.preflight.runner import KILL_GRACE_S, kill_group
-from agent.trainer.argv import find_libreyolo
 from agent.util.text import one_line
 from agent.watch.sizing import Verdict, profiler_verdict
 
