@@ -21,6 +21,7 @@ from typing import Any
 
 from agent import hub
 from agent.config.model import Env, Job, LimitsSection, TeardownAction, TeardownSection
+from agent.daemon import signals
 from agent.daemon.control import AgentError as AgentError  # re-exported: the CLI catches it
 from agent.daemon.control import ControlMixin
 from agent.daemon.signals import Flags
@@ -29,7 +30,7 @@ from agent.data import staging
 from agent.events import Event, EventBus
 from agent.gpu.health import GpuMonitor
 from agent.guard import plan as guardplan
-from agent.policy import restart, signals, teardown
+from agent.policy import restart, teardown
 from agent.policy.limits import BudgetWarner, effective_limits, read_price
 from agent.policy.resume import boot_id
 from agent.providers import Provider

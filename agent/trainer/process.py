@@ -62,7 +62,8 @@ EXIT_KINDS = {
 
 def libreyolo_executable() -> str:
     """The ``libreyolo`` next to this Python (the venv), else the one on PATH
-    (:func:`agent.install.libreyolo.find_libreyolo`); :class:`TrainerError` when there is neither."""
+    (:func:`agent.install.libreyolo.find_libreyolo`); :class:`TrainerError` when there is
+    neither."""
     found = find_libreyolo()
     if found:
         return found
