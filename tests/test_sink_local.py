@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from agent import sinks
-from agent.sinks import SinkError
+from agent.sinks import SinkError, digests
 from agent.sinks.digests import DIGESTS, sha256_file
 from agent.sinks.local import LocalSink
 
@@ -65,7 +64,7 @@ def test_a_source_that_changes_during_the_copy_is_copied_again_hashing(
     src = tmp_path / "last.pt"
     src.write_bytes(b"PK\x03\x04" + os.urandom(3 << 20))
     DIGESTS.remember(src.stat(), "e" * 64)  # the version before the writer came back
-    real_blocks = sinks._blocks
+    real_blocks = digests._blocks
     written: list[bool] = []
 
     def blocks_then_a_writer(f: Any, chunk: int) -> Any:
@@ -76,7 +75,7 @@ def test_a_source_that_changes_during_the_copy_is_copied_again_hashing(
                 with open(src, "ab") as w:
                     w.write(b"more")
 
-    monkeypatch.setattr(sinks, "_blocks", blocks_then_a_writer)
+    monkeypatch.setattr(digests, "_blocks", blocks_then_a_writer)
     s.upload(src, "weights/last.pt")
     got = s.stat("weights/last.pt")
     final = src.read_bytes()
