@@ -206,13 +206,14 @@ def test_report_statuses_are_plain_strings_in_the_json(
 
 #: ``agent/preflight/``'s modules, lowest first: each may import only those before it.
 LAYERS = [
+    "probe",
     "report",
     "plan",
     "runner",
     "driver",
     "cuda",
     "host",
-    "hub",
+    "hub_access",
     "cloud",
     "guardplan_check",
     "canary",
@@ -241,7 +242,7 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
         # agent.gpu.nvml and agent.gpu.nvmlhost (the NVML host process) import only each other;
         # agent.sinks is where checkpoints go (an outside system, a lower layer: the canary).
         allowed = {
-            "agent.config",
+            "agent.config.model",
             "agent.hub",
             "agent.gpu.nvml",
             "agent.gpu.nvmlhost",
