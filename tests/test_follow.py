@@ -439,7 +439,7 @@ def test_lost_inotify_events_drop_every_finished_copy(
     """The kernel's queue overflowed (IN_Q_OVERFLOW, which this test cannot make the kernel
     send: it hands the follower the event): a write may have gone unseen, so no finished copy
     is trusted and the epoch's end copies the file."""
-    from agent.sync.follow import IN_Q_OVERFLOW
+    from agent.util.watch import IN_Q_OVERFLOW
 
     f, snaps, copies, weights = follower
     src = weights / "last.pt"

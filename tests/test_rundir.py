@@ -17,7 +17,6 @@ import pytest
 
 from agent.trainer.rundir import (
     RunStatus,
-    RunWatcher,
     effective_state,
     epoch_snapshots,
     find_run_dir,
@@ -26,6 +25,7 @@ from agent.trainer.rundir import (
     read_metrics,
     read_status,
 )
+from agent.util.watch import RunWatcher
 from tests.fakes.scripted_trainer import write_checkpoint
 
 # Shapes as LibreYOLO 1.6.0's TrainingStatusCallback writes them.

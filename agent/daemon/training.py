@@ -46,13 +46,13 @@ from agent.trainer.process import (
 )
 from agent.trainer.rundir import (
     RunStatus,
-    RunWatcher,
     find_dead_run_dir,
     find_run_dir,
     read_status,
     run_dir_from_result,
 )
 from agent.util.text import os_error
+from agent.util.watch import RunWatcher
 from agent.watch import disk as diskwatch
 from agent.watch.preemption import Notice, PreemptionWatcher, detect
 from agent.watch.progress import ProgressTracker
@@ -68,54 +68,8 @@ PREEMPT_SURVIVAL_S = 300.0
 PREEMPT_UPLOAD_S = 120.0
 
 
-class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
-    # Provided by the daemon.
-    job: Job
-    env: Env
-    launcher: Launcher
-    store: StateStore
-    clock: Callable[[], float]
-    poll_interval_s: float
-    state: RunState
-    trainer: TrainerProcess | None
-    run_dir: Path | None
-    status: RunStatus | None
-    sync: SyncEngine | None
-    flags: Flags | None
-    breach_message: str | None
-    loop_turns: int
-    _last_progress_at: float
-    #: The box rebooted since the state was written (another boot id): no recorded pid counts.
-    rebooted: bool
-    progress: ProgressTracker | None
-    gpu: GpuMonitor | None
-    notice: Notice | None
-    watcher: PreemptionWatcher | None
-    #: A GPU fault seen while training (Xid, ECC, lost, thermal): the box is bad.
-    box_fault: str | None
-    _outcome: Outcome | None
-    _budget: BudgetWarner
-    events: EventBus
-    #: The reason when a launch failed or the run turned out completed without a trainer.
-    reason_hint: Reason | None
-    #: Why the disk cannot take the next checkpoint (set after an epoch, acted on next turn).
-    disk_stop: str | None
-    hung_at_exit: bool
-    _exit_code: int | None
-    #: The wait for the followed trainer's exit, while it is followed (:meth:`_observed`).
-    _exit_task: asyncio.Future[Any] | None = None
-
-    def _save(self, *, required: bool = False) -> None:
-        raise NotImplementedError
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        raise NotImplementedError
-
-    def limits(self) -> LimitsSection:
-        raise NotImplementedError
-
-    def _agent_files(self) -> list[Path]:
-        raise NotImplementedError
+class Training:
+    PLACEHOLDER_INIT
 
     # ------------------------------------------------------------------ the phase
 
@@ -131,13 +85,13 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 # Nothing ran: a target that holds the finished run (completed), or a launch
                 # that could not start (training_failed); the cause is already set.
                 return self.reason_hint or Reason.TRAINING_FAILED
-            if stop_reason is None and self._exit_code != 0:
-                bad_data = await self._doctor_after_exit()
+            if stop_reason is None and self.exit_code != 0:
+                bad_data = await self.doctor.after_exit()
                 if bad_data is not None:
-                    self.breach_message = bad_data
+                    ctx.breach_message = bad_data
                     stop_reason = Reason.PREFLIGHT_FAILED
             assert isinstance(stop_reason, Reason) or stop_reason is None
-            reason = self._classify_and_reason(self._exit_code, stop_reason)
+            reason = self._classify_and_reason(self.exit_code, stop_reason)
             if reason == Reason.PREEMPTED:
                 if not await self._after_preemption():
                     return None
@@ -155,49 +109,49 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
     async def _supervise_once(self) -> Reason | object | None:
         """Follow one trainer to its end. Returns the agent's own stop reason (None when the
         trainer ended by itself), or ``_EXITING`` when the agent is exiting."""
-        assert self.flags is not None
-        flags = self.flags
-        self._exit_code = None
-        launched_at = self.clock()
+        assert ctx.flags is not None
+        flags = ctx.flags
+        self.exit_code = None
+        launched_at = ctx.clock()
         self._last_progress_at = launched_at
-        if self.trainer is not None and self.trainer.record is self.state.trainer:
+        if ctx.trainer is not None and ctx.trainer.record is ctx.state.trainer:
             # Launched by this agent (a resume, in _resume_or_not): follow it as our child.
             # Re-attaching would lose its exit code and leave it a zombie nobody reaps.
-            launched_at = self.state.trainer.started_at
-        elif self.state.trainer is not None:
-            launched_at = self.state.trainer.started_at
-            self.trainer = None if self.rebooted else self.launcher.attach(self.state.trainer)
-            if self.trainer is None:
-                why = "the box rebooted" if self.rebooted else "it is gone"
+            launched_at = ctx.state.trainer.started_at
+        elif ctx.state.trainer is not None:
+            launched_at = ctx.state.trainer.started_at
+            ctx.trainer = None if ctx.rebooted else ctx.launcher.attach(ctx.state.trainer)
+            if ctx.trainer is None:
+                why = "the box rebooted" if ctx.rebooted else "it is gone"
                 log.warning(
                     "trainer pid=%d from the previous agent: %s; reading what its run wrote",
-                    self.state.trainer.pid,
+                    ctx.state.trainer.pid,
                     why,
                 )
                 self._find_dead_run_dir()
-                if self.run_dir is not None:
-                    self.status = read_status(self.run_dir) or self.status
+                if ctx.run_dir is not None:
+                    ctx.status = read_status(ctx.run_dir) or ctx.status
                 return None
         else:
             failed = await self._launch_or_adopt()
             if failed is not None:
                 self.reason_hint = failed
-                self._outcome = None
+                self.outcome = None
                 return _LAUNCH_FAILED
-            assert self.state.trainer is not None
-            launched_at = self.state.trainer.started_at
-        trainer = self.trainer
+            assert ctx.state.trainer is not None
+            launched_at = ctx.state.trainer.started_at
+        trainer = ctx.trainer
         assert trainer is not None
-        if self.progress is not None:
-            self.progress.start(self.clock())
+        if ctx.progress is not None:
+            ctx.progress.start(ctx.clock())
 
         changed = asyncio.Event()
         watcher = RunWatcher(asyncio.get_running_loop(), changed)
-        watcher.watch(self.job.job.runs_dir)
-        if self.run_dir is not None:
-            watcher.watch(self.run_dir)
+        watcher.watch(ctx.job.job.runs_dir)
+        if ctx.run_dir is not None:
+            watcher.watch(ctx.run_dir)
         exit_task = asyncio.ensure_future(trainer.wait())
-        self._exit_task = exit_task
+        self.exit_task = exit_task
         stop_reason: Reason | None = None
         stop_task: asyncio.Future[str] | None = None
         completed_seen: float | None = None
@@ -210,20 +164,20 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                     break
                 if stop_task is None:
                     stop_reason = await self._check_turn()
-                    if stop_reason is None and self.status and self.status.state == "completed":
-                        completed_seen = completed_seen or self.clock()
-                        if self.clock() - completed_seen >= self.limits().exit_grace_s:
+                    if stop_reason is None and ctx.status and ctx.status.state == "completed":
+                        completed_seen = completed_seen or ctx.clock()
+                        if ctx.clock() - completed_seen >= ctx.limits().exit_grace_s:
                             log.warning(
                                 "status.json says completed but the trainer has not exited in "
                                 "%.0fs: killing it (hung at exit); the run counts as completed",
-                                self.limits().exit_grace_s,
+                                ctx.limits().exit_grace_s,
                             )
                             self.hung_at_exit = True
                             stop_task = asyncio.ensure_future(self._stop_trainer())
                     if stop_reason is not None:
                         stop_task = asyncio.ensure_future(self._stop_trainer())
                 if flags.shutdown.is_set() and stop_task is None:
-                    if not self.job.job.stop_trainer_on_exit:
+                    if not ctx.job.job.stop_trainer_on_exit:
                         log.info(
                             "agent exiting; trainer pid=%d keeps running (run the agent again "
                             "to re-attach)",
@@ -238,12 +192,12 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 await stop_task
         finally:
             watcher.stop()
-            self._exit_task = None
+            self.exit_task = None
             if not exit_task.done():
                 exit_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await exit_task
-        self._exit_code = trainer.exit_code
+        self.exit_code = trainer.exit_code
         await self._follow(launched_at)
         return stop_reason
 
@@ -253,8 +207,8 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         changed: asyncio.Event,
         stop_task: asyncio.Future[str] | None,
     ) -> None:
-        assert self.flags is not None
-        flags = self.flags
+        assert ctx.flags is not None
+        flags = ctx.flags
         # Only events that have not fired yet: a set Event's wait() returns at once, and waiting
         # on it would spin this loop until the trainer is gone.
         waiters: set[asyncio.Future[Any]] = {exit_task}
@@ -265,12 +219,12 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                     waiters.add(asyncio.ensure_future(event.wait()))
         if not flags.shutdown.is_set():
             waiters.add(asyncio.ensure_future(flags.shutdown.wait()))
-        doctor = self._doctor_waiter() if stop_task is None else None
+        doctor = self.doctor.waiter() if stop_task is None else None
         if doctor is not None:
             waiters.add(doctor)
         try:
             await asyncio.wait(
-                waiters, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
+                waiters, timeout=ctx.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             for w in waiters:
@@ -279,87 +233,87 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
 
     async def _check_turn(self) -> Reason | None:
         """The first reason to stop the trainer this turn, in order of urgency; None: go on."""
-        assert self.flags is not None
-        if self.flags.stop_job.is_set():
+        assert ctx.flags is not None
+        if ctx.flags.stop_job.is_set():
             return Reason.STOPPED_BY_USER
-        if self.flags.preempt.is_set():
-            notice = self.notice
-            self.breach_message = f"preempted: {notice.message if notice else 'notice'}"
-            log.warning("%s: saving last.pt now, then stopping the trainer", self.breach_message)
-            self.events.publish(
+        if ctx.flags.preempt.is_set():
+            notice = ctx.notice
+            ctx.breach_message = f"preempted: {notice.message if notice else 'notice'}"
+            log.warning("%s: saving last.pt now, then stopping the trainer", ctx.breach_message)
+            ctx.events.publish(
                 "preempted",
                 source=notice.source if notice else "?",
                 message=notice.message if notice else "",
             )
             await self._save_now()
             return Reason.PREEMPTED
-        bad_data = self._doctor_verdict()
+        bad_data = self.doctor.verdict()
         if bad_data is not None:
-            self.breach_message = bad_data
+            ctx.breach_message = bad_data
             log.error("%s: stopping the trainer", bad_data)
             return Reason.PREFLIGHT_FAILED
-        if self.gpu is not None and self.box_fault is None:
-            read = asyncio.ensure_future(asyncio.to_thread(self.gpu.faults))
+        if ctx.gpu is not None and ctx.box_fault is None:
+            read = asyncio.ensure_future(asyncio.to_thread(ctx.gpu.faults))
             faults = await self._observed(read, None)
             if faults is None:  # a clean exit came first: what the read finds is kept for later
                 read.add_done_callback(self._late_faults)
             elif faults:
-                self.box_fault = "; ".join(f.message for f in faults)
-                self.breach_message = f"GPU fault: {self.box_fault}"
-                log.error("%s: stopping the run (a box fault)", self.breach_message)
-                self.events.publish("warning", message=self.breach_message)
+                ctx.box_fault = "; ".join(f.message for f in faults)
+                ctx.breach_message = f"GPU fault: {ctx.box_fault}"
+                log.error("%s: stopping the run (a box fault)", ctx.breach_message)
+                ctx.events.publish("warning", message=ctx.breach_message)
                 await self._save_now()
                 return Reason.TRAINING_FAILED
-        if self.disk_stop is not None:
-            self.breach_message = self.disk_stop  # it says "disk full: ..." itself
+        if ctx.disk_stop is not None:
+            ctx.breach_message = ctx.disk_stop  # it says "disk full: ..." itself
             return Reason.DISK_FULL
-        if self.progress is not None:
-            observed = await self._observed(self._observe_progress(self.progress), False)
+        if ctx.progress is not None:
+            observed = await self._observed(self._observe_progress(ctx.progress), False)
             # Not observed: the run completed, and the tracker may still be in its thread.
-            stall = self.progress.verdict() if observed else None
+            stall = ctx.progress.verdict() if observed else None
             if stall is not None:
-                self.breach_message = f"stalled: {stall.message}"
+                ctx.breach_message = f"stalled: {stall.message}"
                 log.warning("%s; uploading what exists, then stopping the trainer", stall.message)
-                self.events.publish("stall", message=stall.message)
+                ctx.events.publish("stall", message=stall.message)
                 await self._save_now()
                 return Reason.STALLED
-        wrong_box = await self._observed(self._sample_sizing(), None)
+        wrong_box = await self._observed(self.sizing.sample(), None)
         if wrong_box is not None:
-            self.breach_message = wrong_box
+            ctx.breach_message = wrong_box
             log.error("%s: stopping the trainer", wrong_box)
             return Reason.PREFLIGHT_FAILED
         reserve = self._reserve_s()
-        cfg = self.limits()
-        now = self.clock()
+        cfg = ctx.limits()
+        now = ctx.clock()
         breach = check_limits(
             cfg,
             now=now,
-            job_started_at=self.state.started_at,  # stalls are the progress tracker's (above)
-            extended_s=self.state.extended_s,
+            job_started_at=ctx.state.started_at,  # stalls are the progress tracker's (above)
+            extended_s=ctx.state.extended_s,
             reserve_s=reserve,
         )
-        warning = self._budget.update(
+        warning = self.budget.update(
             budget_view(
                 cfg,
                 now=now,
-                job_started_at=self.state.started_at,
-                eta_s=self.status.eta_seconds if self.status else None,
+                job_started_at=ctx.state.started_at,
+                eta_s=ctx.status.eta_seconds if ctx.status else None,
                 reserve_s=reserve,
             )
         )
         if warning is not None:
-            self.events.publish("warning", message=warning)
+            ctx.events.publish("warning", message=warning)
         if breach is not None:
-            self.breach_message = breach.message
+            ctx.breach_message = breach.message
             log.warning("limit reached: %s", breach.message)
-            self.events.publish("warning", message=f"limit reached: {breach.message}")
+            ctx.events.publish("warning", message=f"limit reached: {breach.message}")
             return breach.reason
         return None
 
     async def _observed(self, work: Awaitable[T], gone: U) -> T | U:
         """This turn's observation (NVML through its host, the progress sample, the sizing
         sample), unless the followed trainer exits cleanly first (:func:`unless_exited`)."""
-        return await unless_exited(work, self._exit_task, gone)
+        return await unless_exited(work, self.exit_task, gone)
 
     def _late_faults(self, read: asyncio.Future[list[Any]]) -> None:
         """The GPU health read the trainer's clean exit did not wait for: a fault it found is
@@ -367,124 +321,84 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         if read.cancelled() or read.exception() is not None:
             return
         faults = read.result()
-        if faults and self.box_fault is None:
-            self.box_fault = "; ".join(f.message for f in faults)
-            log.error("GPU fault seen as the trainer exited: %s", self.box_fault)
-            self.events.publish("warning", message=f"GPU fault: {self.box_fault}")
+        if faults and ctx.box_fault is None:
+            ctx.box_fault = "; ".join(f.message for f in faults)
+            log.error("GPU fault seen as the trainer exited: %s", ctx.box_fault)
+            ctx.events.publish("warning", message=f"GPU fault: {ctx.box_fault}")
 
     async def _observe_progress(self, progress: ProgressTracker) -> bool:
         await asyncio.to_thread(
             progress.observe,
-            status=self.status,
+            status=ctx.status,
             log_paths=self._log_paths(),
-            run_dir=self.run_dir,
-            pids=self.trainer.pids() if self.trainer else set(),
+            run_dir=ctx.run_dir,
+            pids=ctx.trainer.pids() if ctx.trainer else set(),
         )
         return True
 
     def _log_paths(self) -> list[Path]:
-        paths = [self.store.path("trainer.log")]
-        if self.run_dir is not None:
-            paths.append(self.run_dir / "train.log")
+        paths = [ctx.store.path("trainer.log")]
+        if ctx.run_dir is not None:
+            paths.append(ctx.run_dir / "train.log")
         return paths
 
     def _reserve_s(self) -> float:
         """Time to keep before a deadline for the final sync (agent/policy/limits.py); none without
         a sync target (nothing to get off the box)."""
-        if self.sync is None:
+        if ctx.sync is None:
             return 0.0
         final = 0
-        if self.run_dir is not None:
+        if ctx.run_dir is not None:
             for name in ("last.pt", "best.pt"):
                 with contextlib.suppress(OSError):
-                    final += (self.run_dir / "weights" / name).stat().st_size
-        uploads = self.sync.uploads if self.sync is not None else None
+                    final += (ctx.run_dir / "weights" / name).stat().st_size
+        uploads = ctx.sync.uploads if ctx.sync is not None else None
         return finish_reserve_s(
-            self.limits(),
+            ctx.limits(),
             upload_bytes_per_s=uploads.bytes_per_s if uploads else None,
             final_bytes=final,
             pending_bytes=uploads.pending_bytes if uploads else 0,
         )
 
     async def _save_now(self) -> None:
-        if self.sync is not None and self.run_dir is not None:
-            epoch = self.status.completed_epochs if self.status else None
-            await self.sync.save_now(self.run_dir, epoch)
+        if ctx.sync is not None and ctx.run_dir is not None:
+            epoch = ctx.status.completed_epochs if ctx.status else None
+            await ctx.sync.save_now(ctx.run_dir, epoch)
 
     async def _check_disk(self) -> str | None:
         """After an epoch: make room for the next checkpoint, or say why the run must stop."""
-        if self.run_dir is None:
+        if ctx.run_dir is None:
             return None
-        sync = self.sync
+        sync = ctx.sync
         verdict = await asyncio.to_thread(
             diskwatch.check_disk,
-            self.run_dir,
+            ctx.run_dir,
             is_verified=sync.is_verified if sync is not None else (lambda _p: False),
         )
         return verdict.stop_message
 
-    # ------------------------------------------------------------------ launching
-
-    async def _launch_or_adopt(self, argv: list[str] | None = None) -> Reason | None:
-        """Start the trainer, safe against this agent being killed at any instant
-        (:func:`trainer.start_once`). Returns a reason only when the launch failed."""
-
-        def record_intent(launch: dict[str, Any]) -> None:
-            self.state.launch = launch
-            self._save(required=True)  # no launch that a restarted agent could not find
-
-        if argv is None and self.state.launch is None and not self.state.resumes:
-            try:
-                argv = await self._resume_from_target()
-            except AlreadyDone as exc:
-                self.state.cause = str(exc)
-                return Reason.COMPLETED
-        try:
-            self.trainer = await start_once(
-                self.launcher,
-                self.job,
-                intent=self.state.launch,
-                record_intent=record_intent,
-                log_path=self.store.path("trainer.log"),
-                result_path=self.store.path("trainer-result.json"),
-                now=self.clock(),
-                argv=argv,
-            )
-        except (TrainerError, OSError) as exc:
-            message = str(exc) if isinstance(exc, TrainerError) else os_error(exc)
-            self.state.cause = f"cannot start the trainer: {message}"
-            log.error("%s", self.state.cause)
-            return Reason.TRAINING_FAILED
-        self.state.trainer = self.trainer.record
-        self._save()
-        used = argv or []
-        self.events.publish(
-            "training_started",
-            total_epochs=self.job.train.epochs,
-            resumed="resume=true" in used,
-        )
-        return None
+    # ------------------------------------------------------------------ preemption
 
     async def _after_preemption(self) -> bool:
         """The trainer was stopped after a notice: get ``last.pt`` off the box, record the
         preemption (the next boot resumes), then wait for the box to go. True: the box survived
         the notice, resume here; False: the agent exits (SIGTERM notice, or asked to)."""
-        assert self.flags is not None
-        notice = self.notice
-        self.state.preempted = {
-            "at": self.clock(),
+        assert ctx.flags is not None
+        notice = ctx.notice
+        ctx.state.preempted = {
+            "at": ctx.clock(),
             "source": notice.source if notice else "?",
             "message": notice.message if notice else "",
         }
-        self._save()
-        if self.sync is not None:
+        ctx.save()
+        if ctx.sync is not None:
             await self._save_now()
-            await self.sync.drain(PREEMPT_UPLOAD_S)
-        self._save()
-        saved = self.sync.verified_remote("weights/last.pt") if self.sync is not None else None
+            await ctx.sync.drain(PREEMPT_UPLOAD_S)
+        ctx.save()
+        saved = ctx.sync.verified_remote("weights/last.pt") if ctx.sync is not None else None
         if saved is not None:
             what = f"last.pt saved (epoch {saved.epoch}, verified on the target)"
-        elif self.sync is None:
+        elif ctx.sync is None:
             what = "no [sync] target: last.pt stays on this box only"
         else:
             what = "last.pt could NOT be saved to the target (see the sync errors above)"
@@ -497,105 +411,105 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
             wait = max(wait, notice.action_at - time.time() + 120.0)
         log.warning("preempted: waiting up to %.0fs for the box to go", wait)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.flags.shutdown.wait(), wait)
-        if self.flags.shutdown.is_set():
+            await asyncio.wait_for(ctx.flags.shutdown.wait(), wait)
+        if ctx.flags.shutdown.is_set():
             return False
         log.warning("the box survived the preemption notice; resuming training on it")
-        self.flags.preempt.clear()
-        self.notice = None
+        ctx.flags.preempt.clear()
+        ctx.notice = None
         return True
 
     def _start_watchers(self) -> None:
         """Preemption watchers (AWS/GCP metadata) for the job's lifetime on this box."""
-        if self.watcher is not None:
+        if ctx.watcher is not None:
             return
-        sources = detect(self.job.preemption)
+        sources = detect(ctx.job.preemption)
         if not sources:
             return
 
         def on_notice(notice: Notice) -> None:
-            assert self.flags is not None
-            self.notice = notice
-            self.flags.preempt.set()
+            assert ctx.flags is not None
+            ctx.notice = notice
+            ctx.flags.preempt.set()
 
-        self.watcher = PreemptionWatcher(
-            self.job.preemption, sources, on_notice=on_notice, clock=self.clock
+        ctx.watcher = PreemptionWatcher(
+            ctx.job.preemption, sources, on_notice=on_notice, clock=ctx.clock
         )
         log.info("watching for preemption notices: %s", ", ".join(sources))
-        self._spawn(self.watcher.run(), "preemption")
+        ctx.spawn(ctx.watcher.run(), "preemption")
 
     # ------------------------------------------------------------------ reading the run
 
     def _find_dead_run_dir(self) -> None:
         """The trainer died with the previous agent: its run dir from the state file, else by
         the pid its status.json names, else from its json result."""
-        rec = self.state.trainer
-        if self.run_dir is not None or rec is None:
+        rec = ctx.state.trainer
+        if ctx.run_dir is not None or rec is None:
             return
-        result = read_result(self.store.path("trainer-result.json"))
-        self.run_dir = find_dead_run_dir(self.job.job.runs_dir, rec.pid, rec.started_at, result)
-        if self.run_dir is not None:
-            log.info("run directory of the dead trainer: %s", self.run_dir)
-            rec.run_dir = str(self.run_dir)
-            self._save()
+        result = read_result(ctx.store.path("trainer-result.json"))
+        ctx.run_dir = find_dead_run_dir(ctx.job.job.runs_dir, rec.pid, rec.started_at, result)
+        if ctx.run_dir is not None:
+            log.info("run directory of the dead trainer: %s", ctx.run_dir)
+            rec.run_dir = str(ctx.run_dir)
+            ctx.save()
 
     async def _stop_trainer(self) -> str:
-        assert self.trainer is not None
-        sent = await self.trainer.stop(
-            stop_grace_s=self.job.train.stop_grace_s, kill_grace_s=self.job.train.kill_grace_s
+        assert ctx.trainer is not None
+        sent = await ctx.trainer.stop(
+            stop_grace_s=ctx.job.train.stop_grace_s, kill_grace_s=ctx.job.train.kill_grace_s
         )
         log.info("trainer stopped (%s)", sent)
         return sent
 
     def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
-        result = read_result(self.store.path("trainer-result.json"))
-        if self.run_dir is None and self.state.trainer is not None:
-            self.run_dir = run_dir_from_result(result)
-        if self.run_dir is not None:
-            self.status = read_status(self.run_dir) or self.status
-        outcome = classify(exit_code, self.status, result, stop_requested=stop_reason is not None)
+        result = read_result(ctx.store.path("trainer-result.json"))
+        if ctx.run_dir is None and ctx.state.trainer is not None:
+            ctx.run_dir = run_dir_from_result(result)
+        if ctx.run_dir is not None:
+            ctx.status = read_status(ctx.run_dir) or ctx.status
+        outcome = classify(exit_code, ctx.status, result, stop_requested=stop_reason is not None)
         if self.hung_at_exit:
             outcome = Outcome(
                 OutcomeKind.COMPLETED, exit_code, "training completed; killed while hung at exit"
             )
-        self._outcome = outcome
-        self.state.outcome = outcome.to_dict()
+        self.outcome = outcome
+        ctx.state.outcome = outcome.to_dict()
         log.info("trainer outcome: %s (%s)", outcome.kind, outcome.message)
-        reason, self.state.cause = outcome.reason(stop_reason, self.breach_message)
-        trained = bool(self.status and self.status.completed_epochs) or bool(self.state.resumes)
+        reason, ctx.state.cause = outcome.reason(stop_reason, ctx.breach_message)
+        trained = bool(ctx.status and ctx.status.completed_epochs) or bool(ctx.state.resumes)
         if reason == Reason.TRAINING_FAILED and outcome.kind == OutcomeKind.CONFIG and not trained:
             reason = Reason.PREFLIGHT_FAILED  # LibreYOLO refused the job before epoch 1
         return reason
 
     async def _follow(self, launched_at: float) -> None:
         """Read the run dir (found by pid) and feed new epochs to the sync policy."""
-        self._doctor_when_started(status_seen=False, since_launch_s=self.clock() - launched_at)
-        if self.run_dir is None and self.trainer is not None:
-            self.run_dir = find_run_dir(
-                self.job.job.runs_dir, self.trainer.pids(), newer_than=launched_at - 5
+        self.doctor.when_started(status_seen=False, since_launch_s=ctx.clock() - launched_at)
+        if ctx.run_dir is None and ctx.trainer is not None:
+            ctx.run_dir = find_run_dir(
+                ctx.job.job.runs_dir, ctx.trainer.pids(), newer_than=launched_at - 5
             )
-            if self.run_dir is not None:
-                log.info("run directory: %s", self.run_dir)
-                if self.state.trainer is not None:
-                    self.state.trainer.run_dir = str(self.run_dir)
-                self._save()
-        if self.run_dir is None:
+            if ctx.run_dir is not None:
+                log.info("run directory: %s", ctx.run_dir)
+                if ctx.state.trainer is not None:
+                    ctx.state.trainer.run_dir = str(ctx.run_dir)
+                ctx.save()
+        if ctx.run_dir is None:
             return
-        if self.sync is not None:
-            self.sync.follow(self.run_dir)
-        status = read_status(self.run_dir)
+        if ctx.sync is not None:
+            ctx.sync.follow(ctx.run_dir)
+        status = read_status(ctx.run_dir)
         if status is None:
             return
-        self._doctor_when_started(status_seen=True, since_launch_s=0.0)
-        previous = self.status
-        self.status = status
+        self.doctor.when_started(status_seen=True, since_launch_s=0.0)
+        previous = ctx.status
+        ctx.status = status
         if previous is None or status.completed_epochs != previous.completed_epochs:
-            self._last_progress_at = self.clock()
+            self._last_progress_at = ctx.clock()
             if previous is not None:
-                self.state.crashes.clear()  # an epoch went by: whatever crashed was survivable
+                ctx.state.crashes.clear()  # an epoch went by: whatever crashed was survivable
             if status.completed_epochs == 0:
                 log.info("training started (%s epochs)", status.total_epochs)
-                self._save()
+                ctx.save()
                 return
             log.info(
                 "epoch %d/%s done (eta %s)",
@@ -604,19 +518,19 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
                 f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
             )
             self._publish_epoch(status, previous)
-            if self.sync is not None:
-                await self.sync.on_epoch(self.run_dir, status, extra_files=self._agent_files())
+            if ctx.sync is not None:
+                await ctx.sync.on_epoch(ctx.run_dir, status, extra_files=ctx.agent_files())
             stop = await self._check_disk()
-            if stop is not None and self.disk_stop is None:
+            if stop is not None and ctx.disk_stop is None:
                 log.error("%s", stop)
-                self.events.publish("warning", message=stop)
-                self.disk_stop = stop
-            self._save()
+                ctx.events.publish("warning", message=stop)
+                ctx.disk_stop = stop
+            ctx.save()
 
     def _publish_epoch(self, status: RunStatus, previous: RunStatus | None) -> None:
         raw = status.raw
         metric_name = raw.get("current_metric_name") or raw.get("best_metric_name")
-        self.events.publish(
+        ctx.events.publish(
             "epoch",
             epoch=status.completed_epochs,
             total_epochs=status.total_epochs,
@@ -628,7 +542,7 @@ class TrainingMixin(RelaunchMixin, SizingMixin, DoctorBesideMixin):
         if status.best_epoch is not None and (
             previous is None or previous.best_epoch != status.best_epoch
         ):
-            self.events.publish(
+            ctx.events.publish(
                 "best",
                 epoch=status.best_epoch,
                 metric=status.best_metric,

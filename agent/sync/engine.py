@@ -327,8 +327,9 @@ class SyncEngine:
         return queued
 
     def _unchanged(self, src: Path, remote_path: str) -> bool:
-        """Whether ``src`` is, by its identity (:class:`~agent.sinks.digests.Digests`: any write changes
-        its ctime), the version the target holds or is about to: then nothing is copied."""
+        """Whether ``src`` is, by its identity (:class:`~agent.sinks.digests.Digests`: any write
+        changes its ctime), the version the target holds or is about to: then nothing is
+        copied."""
         try:
             st = src.stat()
         except OSError:

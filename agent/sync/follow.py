@@ -5,8 +5,8 @@ epoch is done: for a 200 MB checkpoint that is most of a second between "written
 started", on top of the write itself (issue 15, P2). torch.save writes a checkpoint front to
 back in many chunks over about as long. The :class:`CheckpointFollower` reads each wanted
 ``weights/*.pt`` as it grows (inotify IN_MODIFY on ``weights/``, a raw inotify descriptor of
-its own: watchdog's pipeline would cost a Python event per write), copying the new bytes into
-the snapshot folder, hashing them (sha256 on a thread of its own, beside the copy) and checking
+its own: :mod:`agent.util.watch` says why watchdog does not serve here), copying the new bytes
+into the snapshot folder, hashing them (sha256 on a thread of its own, beside the copy) and checking
 the zip's CRC-32s on the way (:mod:`agent.data.zipstream`). When the file is closed the copy is
 finished; the snapshot the engine asks for at the epoch's end (:meth:`Snapshotter.take`) is
 then already there.
@@ -28,14 +28,12 @@ nothing is followed while the disk is short of room for the trainer's own writes
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import hashlib
 import logging
 import os
 import queue
 import select
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,19 +45,21 @@ from agent.sinks.digests import DIGESTS, Digests
 from agent.sync.snapshots import Snapshot, Snapshotter, unlink_quietly
 from agent.util.disk import disk_free
 from agent.util.text import os_error
+from agent.util.watch import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_ISDIR,
+    IN_MODIFY,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_Q_OVERFLOW,
+    Inotify,
+)
 from agent.watch.disk import NEED_FLOOR_BYTES
 
 log = logging.getLogger("agent.sync")
 
-IN_MODIFY = 0x2
-IN_CLOSE_WRITE = 0x8
-IN_MOVED_FROM = 0x40
-IN_MOVED_TO = 0x80
-IN_CREATE = 0x100
-IN_DELETE = 0x200
-IN_Q_OVERFLOW = 0x4000
-IN_ISDIR = 0x40000000
-_EVENT = struct.Struct("iIII")
 _WEIGHTS_MASK = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE
 _RUN_MASK = IN_CREATE | IN_MOVED_TO
 
@@ -71,43 +71,6 @@ CHUNK = 256 * 1024
 SETTLE_S = 0.01
 #: Chunks that may wait for the hashing thread (``CHUNK`` bytes each).
 HASH_QUEUE = 16
-
-
-class _Inotify:
-    """A non-blocking inotify descriptor (libc through ctypes: the standard library has none)."""
-
-    def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)  # IN_NONBLOCK, IN_CLOEXEC
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
-        self.fd: int = fd
-
-    def add(self, path: Path, mask: int) -> int:
-        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
-        if wd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(path))
-        return int(wd)
-
-    def read(self) -> list[tuple[int, int, str]]:
-        """The events waiting, as (watch, mask, name); [] when none."""
-        try:
-            data = os.read(self.fd, 64 * 1024)
-        except BlockingIOError:
-            return []
-        events = []
-        at = 0
-        while at + _EVENT.size <= len(data):
-            wd, mask, _, n = _EVENT.unpack_from(data, at)
-            raw = data[at + _EVENT.size : at + _EVENT.size + n].rstrip(b"\0")
-            events.append((wd, mask, os.fsdecode(raw)))
-            at += _EVENT.size + n
-        return events
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
 
 
 class _Hasher:
@@ -209,7 +172,7 @@ class CheckpointFollower:
         self._tracks: dict[Path, _Track] = {}
         self._dirs: dict[int, Path] = {}  # watch -> folder
         self._runs: set[Path] = set()
-        self._inotify: _Inotify | None = None
+        self._inotify: Inotify | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._stopping = threading.Event()
@@ -226,7 +189,7 @@ class CheckpointFollower:
             return
         try:
             if self._inotify is None:
-                self._inotify = _Inotify()
+                self._inotify = Inotify()
                 self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             self._runs.add(run_dir)
             weights = run_dir / "weights"

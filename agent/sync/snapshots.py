@@ -20,19 +20,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agent.sinks.digests import DIGESTS, copy_hashing, sha256_file
 from agent.trainer.rundir import is_valid_checkpoint
 from agent.util.text import os_error
 
-if TYPE_CHECKING:
-    from agent.sync.follow import CheckpointFollower
-
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
 log = logging.getLogger("agent.sync")
 
 _SEQ = re.compile(r"(\d+)-(.+)")
+
+
+class Claimer(Protocol):
+    """What :meth:`Snapshotter.take` asks first for a checkpoint: a copy already made while
+    the file was written (:class:`agent.sync.follow.CheckpointFollower`), or None."""
+
+    def claim(self, src: Path) -> Snapshot | None: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Snapshotter:
         self.copy = copy
         self._seq: int | None = None
         self._lock = threading.Lock()
-        self.follower: CheckpointFollower | None = None
+        self.follower: Claimer | None = None
 
     def files(self) -> list[Path]:
         """Every file in the snapshot folder (partial ``.tmp`` copies included)."""

@@ -8,8 +8,6 @@ leaves ``state: running`` behind, so the state is never trusted without checking
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import re
 import zipfile
@@ -185,77 +183,6 @@ def is_valid_checkpoint(path: Path) -> bool:
             return zf.testzip() is None
     except (OSError, zipfile.BadZipFile, EOFError, ValueError):
         return False
-
-
-class RunWatcher:
-    """inotify (watchdog) on the runs directory, turned into an ``asyncio.Event``: the agent
-    reacts to status.json and weights/ changes when they happen, not on a polling tick."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> None:
-        from watchdog.observers import Observer
-
-        self._loop = loop
-        self._changed = changed
-        self._observer = Observer()
-        self._observer.daemon = True
-        self._watched: set[Path] = set()
-        self._started = False
-
-    def watch(self, path: Path) -> None:
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-
-        if path in self._watched:
-            return
-        loop, changed = self._loop, self._changed
-
-        class _Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                # Called from the observer thread: hand over to the loop thread-safely.
-                with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-                    loop.call_soon_threadsafe(changed.set)
-
-        path.mkdir(parents=True, exist_ok=True)
-        self._observer.schedule(_Handler(), str(path), recursive=True, **_no_modify_events())
-        self._watched.add(path)
-        if not self._started:
-            self._observer.start()
-            self._started = True
-
-    def stop(self) -> None:
-        if self._started:
-            # Unschedule first: stopping with live watches logs spurious emitter errors.
-            self._observer.unschedule_all()
-            self._observer.stop()
-            self._observer.join(timeout=5)
-            self._started = False
-
-
-def _no_modify_events() -> dict[str, Any]:
-    """An inotify mask without IN_MODIFY: a trainer's ``torch.save`` of a 200 MB checkpoint is
-    thousands of write() calls, each an event through watchdog's Python pipeline and a wake-up
-    of the loop. The agent needs to know when a file is whole (IN_CLOSE_WRITE), created, moved
-    or deleted; log growth is read on the loop's poll. ``event_filter`` is watchdog >= 4's way
-    to set the mask; without it, every event is delivered as before."""
-    import inspect
-
-    from watchdog import events as ev
-    from watchdog.observers.api import BaseObserver
-
-    if "event_filter" not in inspect.signature(BaseObserver.schedule).parameters:
-        return {}
-    return {
-        "event_filter": [
-            ev.FileClosedEvent,
-            ev.FileCreatedEvent,
-            ev.DirCreatedEvent,
-            ev.FileMovedEvent,
-            ev.DirMovedEvent,
-            ev.FileDeletedEvent,
-            ev.DirDeletedEvent,
-        ]
-    }
 
 
 def run_dir_from_result(result: dict[str, Any] | None) -> Path | None:
