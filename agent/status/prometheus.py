@@ -17,7 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.state import Phase
-from agent.status.views import PREFIX
+
+#: Every series is named ``libreyolo_agent_<what>``.
+PREFIX = "libreyolo_agent_"
 
 
 def render(doc: Mapping[str, Any], *, now: float | None = None) -> bytes:

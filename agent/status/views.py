@@ -46,8 +46,6 @@ LogsFn = Callable[[int], dict[str, list[str]]]
 #: The run's metrics.jsonl rows, oldest first; called in a thread.
 HistoryFn = Callable[[], list[dict[str, Any]]]
 
-#: Every series is named ``libreyolo_agent_<what>``.
-PREFIX = "libreyolo_agent_"
 #: The classic text format (0.0.4): what every Prometheus version scrapes.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
