@@ -32,7 +32,7 @@ from agent.state import StateStore
 if TYPE_CHECKING:
     from agent.daemon.spine import Daemon
 
-log = logging.getLogger("agent.demo")
+log = logging.getLogger(__name__)
 
 #: Where the demo puts everything, relative to the current directory.
 DEMO_DIR = Path("libreyolo-agent-demo")

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("agent.events")
+log = logging.getLogger(__name__)
 
 #: Events kept for late subscribers (the page's first load, ``/events?since=``).
 HISTORY = 500

@@ -22,7 +22,7 @@ from typing import Any
 
 from agent.util.text import os_error
 
-log = logging.getLogger("agent.state")
+log = logging.getLogger(__name__)
 
 
 class Phase(StrEnum):

@@ -77,7 +77,7 @@ from agent.util.childenv import child_env
 if TYPE_CHECKING:
     import argparse
 
-log = logging.getLogger("agent.supervisor")
+log = logging.getLogger(__name__)
 
 PID_FILE = "supervisor.pid"
 STATE_FILE = "supervisor.json"

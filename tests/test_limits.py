@@ -320,7 +320,7 @@ def test_budget_view_without_an_eta_or_a_budget() -> None:
 def test_budget_warner_fires_once_then_once_back_under(caplog: pytest.LogCaptureFixture) -> None:
     cfg = LimitsSection(budget_usd=10.0, price_usd_per_hour=3.6)
     warner = BudgetWarner()
-    caplog.set_level(logging.INFO, logger="agent.daemon")
+    caplog.set_level(logging.INFO, logger="agent.policy.limits")
     fired: list[str] = []
     # ETA long enough to pass the budget for 20 turns, then the run speeds up.
     for turn in range(40):

@@ -54,7 +54,7 @@ from agent.policy import teardown
 from agent.state import Phase, Reason, RunState, StateDirLocked, StateStore, transition
 from agent.util import logutil
 
-log = logging.getLogger("agent.daemon.badjob")
+log = logging.getLogger(__name__)
 
 #: The history entry that marks a state written for a bad job file.
 MARK = "bad job file"

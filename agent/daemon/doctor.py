@@ -34,7 +34,7 @@ from agent.data import staging
 from agent.events import EventBus
 from agent.state import StateStore
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: How long a trainer that exited with an error waits for a doctor still running, seconds.
 DOCTOR_AFTER_EXIT_S = 120.0

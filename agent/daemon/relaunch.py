@@ -23,7 +23,7 @@ from agent.sync.engine import SyncEngine
 from agent.trainer.process import Launcher, Outcome, build_argv
 from agent.trainer.rundir import RunStatus, read_status
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 
 class RelaunchMixin:

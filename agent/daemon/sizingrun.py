@@ -40,7 +40,7 @@ from agent.watch.sizing import (
     train_images,
 )
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 
 class SizingMixin:

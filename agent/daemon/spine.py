@@ -51,7 +51,7 @@ from agent.watch.profiling import ProfileResult
 from agent.watch.progress import ProgressTracker
 from agent.watch.sizing import ProcessSampler, Projection, SizingWatch, job_gpu_indices, job_workers
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 
 class Daemon(TrainingMixin, ControlMixin):

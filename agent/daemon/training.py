@@ -57,7 +57,7 @@ from agent.watch import disk as diskwatch
 from agent.watch.preemption import Notice, PreemptionWatcher, detect
 from agent.watch.progress import ProgressTracker
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 U = TypeVar("U")
 

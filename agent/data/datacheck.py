@@ -51,7 +51,7 @@ _SPLIT_KEYS = ("train", "val", "test")
 
 # These lines were agent.data.dataset's before the check had a module of its own; they still are,
 # so a log read or filtered by logger name finds them where it always did.
-log = logging.getLogger("agent.data.dataset")
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 from agent.config.model import Env, Job
 from agent.util import backoff
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: How often a retryable staging error (network, Hub 5xx) is tried before the job fails.
 STAGING_ATTEMPTS = 5

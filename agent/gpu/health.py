@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from agent.gpu.nvml import HOST_GONE, HOST_UNRESPONSIVE
 
-log = logging.getLogger("agent.gpu")
+log = logging.getLogger(__name__)
 
 #: What went wrong with a GPU.
 FaultKind = Literal["xid", "ecc_dbe", "lost", "thermal"]

@@ -37,7 +37,7 @@ from typing import Any
 from agent.gpu import nvml
 from agent.gpu.nvml import NVMLError
 
-log = logging.getLogger("agent.gpu")
+log = logging.getLogger(__name__)
 
 #: Longest wait for one answer, seconds. nvmlInit without persistence mode can take seconds
 #: per GPU (the driver brings each one up), so the first call gets :data:`INIT_TIMEOUT_S`.

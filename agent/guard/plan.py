@@ -41,7 +41,7 @@ from agent.state import atomic_write_json
 from agent.util.childenv import child_env as _child_env
 
 # One logger for the guard, whichever side writes the line.
-log = logging.getLogger("agent.guard")
+log = logging.getLogger(__name__)
 
 PLAN_FILE = "guard-plan.json"
 HEARTBEAT_FILE = "heartbeat"

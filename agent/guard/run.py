@@ -141,7 +141,7 @@ __all__ = [
     "write_plan",
 ]
 
-log = logging.getLogger("agent.guard")
+log = logging.getLogger(__name__)
 
 RECORD_FILE = "guard.json"
 #: Written by agent/sync/engine.py after the final verification (what the teardown gate reads).

@@ -34,7 +34,7 @@ from agent.config.model import Env, Job
 from agent.guard.plan import SAVE_TIMEOUT_ENV
 from agent.state import RunState
 
-log = logging.getLogger("agent.guard")
+log = logging.getLogger(__name__)
 
 #: Seconds the guard's upload of ``last.pt`` (with its read-back) may take before the teardown
 #: goes ahead without it.

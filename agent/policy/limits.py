@@ -27,7 +27,7 @@ from agent.config.model import LimitsSection, format_duration
 from agent.providers import Provider, ProviderError
 from agent.state import Reason
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: Upload speed assumed before any upload was timed, bytes per second (10 MB/s): slow enough
 #: for a typical rented box's uplink, so the first estimate errs on the side of stopping early.

@@ -15,7 +15,7 @@ from typing import Any
 from agent.policy.teardown import NOT_CONFIRMED, is_open
 from agent.state import SPINE, Phase, Reason, RunState
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: This many agent crashes in a row, with no progress between them, is a crash loop.
 MAX_CRASHES = 3

@@ -31,7 +31,7 @@ from agent.state import Reason
 from agent.trainer.process import Outcome, OutcomeKind
 from agent.trainer.rundir import RunStatus, is_valid_checkpoint
 
-log = logging.getLogger("agent.policy.resume")
+log = logging.getLogger(__name__)
 
 #: Tests simulate a reboot by giving the agent another boot id.
 BOOT_ID_ENV = "LIBREYOLO_AGENT_BOOT_ID"

@@ -41,7 +41,7 @@ from agent.config.jobvalues import (
 from agent.state import Phase, RunState
 from agent.util.text import show
 
-log = logging.getLogger("agent.policy.steering")
+log = logging.getLogger(__name__)
 
 #: The most one request may add or hold for, seconds (30 days): a typo like ``2000h`` must not
 #: keep a box billing for months. The same bound caps all the extensions of a run together.

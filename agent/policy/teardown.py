@@ -42,7 +42,7 @@ from agent.util.crashpoints import crashpoint
 if TYPE_CHECKING:
     from agent.providers.api import Timing
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: What every surface says of a teardown that is not confirmed (``status``, ``/status``, the page,
 #: the log, the notices).

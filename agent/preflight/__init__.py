@@ -181,7 +181,7 @@ ProbeRunner = Callable[[float], Coroutine[Any, Any, ProbeResult]]
 
 log = logging.getLogger(__name__)
 #: Phase messages go to the daemon's log name, as they always did (agent.log is grepped).
-phase_log = logging.getLogger("agent.daemon")
+phase_log = logging.getLogger(__name__)
 
 
 async def run_preflight(

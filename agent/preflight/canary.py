@@ -32,7 +32,7 @@ from agent.preflight.guardplan_check import guard_plan_check
 from agent.preflight.report import FAIL, PASS, WARN, Check, make_check
 from agent.sinks import Sink, SinkError
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: Where the canary goes, under the target's own prefix (beside the agent's logs).
 CANARY_PATH = "agent/.canary"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("agent.preflight")
+log = logging.getLogger(__name__)
 
 #: The probe script, run by path (it sits beside this package, in ``agent/``).
 PROBE_PATH = Path(__file__).parent / "probe.py"

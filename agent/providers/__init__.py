@@ -32,7 +32,7 @@ from agent.config.model import Env, TeardownAction, TeardownSection
 if TYPE_CHECKING:
     from agent.providers.api import Timing
 
-log = logging.getLogger("agent.providers")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

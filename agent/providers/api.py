@@ -42,7 +42,7 @@ from agent.providers import (
 from agent.util.backoff import delay_s, retry_after_s
 from agent.util.text import one_line
 
-log = logging.getLogger("agent.providers")
+log = logging.getLogger(__name__)
 
 #: The most of an answer the agent reads: a provider's reply is a few kilobytes.
 MAX_REPLY_BYTES = 1 << 20

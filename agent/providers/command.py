@@ -34,7 +34,7 @@ from agent.providers import (
     redact,
 )
 
-log = logging.getLogger("agent.providers")
+log = logging.getLogger(__name__)
 
 #: Bytes of output kept (the tail: where a command says why it failed).
 OUTPUT_KEEP_BYTES = 64 * 1024

@@ -7,7 +7,7 @@ import logging
 from agent.config.model import TeardownAction
 from agent.providers import Identity, OnSent, TeardownResult
 
-log = logging.getLogger("agent.providers.none")
+log = logging.getLogger(__name__)
 
 
 class NoneProvider:

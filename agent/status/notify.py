@@ -40,7 +40,7 @@ from agent.events import Event, EventBus
 from agent.util.backoff import delay_s, retry_after_s
 from agent.util.text import one_line
 
-log = logging.getLogger("agent.status.notify")
+log = logging.getLogger(__name__)
 
 #: Notices that may wait for the receiver before the oldest are dropped.
 QUEUE = 200

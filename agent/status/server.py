@@ -55,7 +55,7 @@ from agent.policy.steering import SteeringError
 from agent.status import views as metrics
 from agent.status.views import HistoryFn, LogsFn, StatusFn
 
-log = logging.getLogger("agent.status.server")
+log = logging.getLogger(__name__)
 
 #: A control action: gets the request body (text, possibly empty), returns the JSON answer;
 #: raises :class:`~agent.policy.steering.SteeringError` for a request it cannot honour.

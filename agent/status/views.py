@@ -36,7 +36,7 @@ from agent.util import logutil
 from agent.util.text import os_error
 from agent.util.threads import in_thread
 
-log = logging.getLogger("agent.status.views")
+log = logging.getLogger(__name__)
 
 #: The /status document, as ``GET /status`` serves it.
 StatusFn = Callable[[], dict[str, Any]]

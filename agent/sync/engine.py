@@ -61,7 +61,7 @@ __all__ = [
     "live_snapshot",
 ]
 
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 #: How long a failed preflight/staging waits to get its report off the box before teardown.
 REPORT_SYNC_TIMEOUT_S = 120.0

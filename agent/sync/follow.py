@@ -58,7 +58,7 @@ from agent.util.watch import (
 )
 from agent.watch.disk import NEED_FLOOR_BYTES
 
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 _WEIGHTS_MASK = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE
 _RUN_MASK = IN_CREATE | IN_MOVED_TO

@@ -23,7 +23,7 @@ from agent.state import atomic_write_json
 from agent.util.text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 
 class ItemKind(StrEnum):

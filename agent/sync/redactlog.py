@@ -17,7 +17,7 @@ from pathlib import Path
 from agent.util import logutil
 from agent.util.text import os_error
 
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 #: ``{source: (size, mtime_ns, ctime_ns)}`` of the version each copy was made from.

@@ -27,7 +27,7 @@ from agent.trainer.rundir import is_valid_checkpoint
 from agent.util.text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 _SEQ = re.compile(r"(\d+)-(.+)")
 

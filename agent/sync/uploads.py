@@ -33,7 +33,7 @@ from agent.util.text import os_error
 from agent.util.threads import in_daemon_thread
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
-log = logging.getLogger("agent.sync")
+log = logging.getLogger(__name__)
 
 
 @dataclass

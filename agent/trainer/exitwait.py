@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from agent.trainer.rundir import pid_alive
 
-log = logging.getLogger("agent.trainer")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 U = TypeVar("U")
 

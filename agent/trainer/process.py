@@ -34,7 +34,7 @@ from agent.trainer.spawn import LAUNCH_ENV, spawn_detached, trainer_env
 from agent.trainer.spawn import TrainerError as TrainerError  # re-exported: launching raises it
 from agent.util.crashpoints import crashpoint
 
-log = logging.getLogger("agent.trainer")
+log = logging.getLogger(__name__)
 
 
 class OutcomeKind(StrEnum):

@@ -54,7 +54,7 @@ from agent.trainer.rundir import pid_alive
 from agent.trainer.spawn import TrainerError, spawn_detached, trainer_env
 from agent.trainer.warm_entry import DOC_PREFIX, GATE_FD, REPORT_FD, SAFEPATH_ADDED
 
-log = logging.getLogger("agent.trainer.warmstart")
+log = logging.getLogger(__name__)
 
 _LOG_TAIL = 4000
 #: Longest report line read (the document is a few kB).

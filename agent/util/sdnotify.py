@@ -19,7 +19,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-log = logging.getLogger("agent.util.sdnotify")
+log = logging.getLogger(__name__)
 
 
 def _address(raw: str | None) -> str | bytes | None:

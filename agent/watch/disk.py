@@ -20,7 +20,7 @@ from agent.trainer.rundir import epoch_snapshots
 from agent.util.disk import disk_free
 from agent.util.text import format_bytes, os_error
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger(__name__)
 
 #: The least free space the next checkpoint is taken to need, bytes (64 MiB): before any
 #: checkpoint exists there is nothing to size it from, and status.json, metrics and logs need

@@ -42,7 +42,7 @@ from multidict import CIMultiDict
 from agent.config.model import PreemptionSection
 from agent.util.text import one_line, show
 
-log = logging.getLogger("agent.watch.preemption")
+log = logging.getLogger(__name__)
 
 #: The watchers this module knows, in the order :func:`detect` lists them.
 SOURCES = ("aws", "gcp")

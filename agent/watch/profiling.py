@@ -50,7 +50,7 @@ from agent.preflight.runner import KILL_GRACE_S, kill_group
 from agent.util.text import one_line
 from agent.watch.sizing import Verdict, profiler_verdict
 
-log = logging.getLogger("agent.profile")
+log = logging.getLogger(__name__)
 
 #: ``train.model`` when the job sets none: LibreYOLO's ``train`` default.
 DEFAULT_MODEL = "yolox-s"
