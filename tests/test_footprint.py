@@ -93,7 +93,7 @@ def test_prometheus_client_loads_on_the_first_scrape() -> None:
     got = _child(
         """
         import json, sys
-        from agent import metrics, server
+        from agent.status import server, views as metrics
 
         before = "prometheus_client" in sys.modules
         text = metrics.render({"phase": "TRAINING", "now": 0}).decode()

@@ -157,7 +157,7 @@ def test_install_rate_limits_asyncio_accept_errors_on_the_handler() -> None:
 EMFILE_CHILD = textwrap.dedent(
     """
     import asyncio, logging, os, resource, sys
-    from agent import logutil
+    from agent.util import logutil
     from agent.status.server import StatusServer
 
     handler = logging.FileHandler(sys.argv[1])
@@ -243,7 +243,7 @@ def test_out_of_descriptors_the_log_stays_small_and_the_server_comes_back(
 RAISE_CHILD = textwrap.dedent(
     """
     import logging, resource, sys
-    from agent import logutil
+    from agent.util import logutil
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))

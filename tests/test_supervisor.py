@@ -50,7 +50,7 @@ sys.exit(int(what))
 RUN_SUPERVISOR = """
 import json, sys
 from pathlib import Path
-from agent import logutil
+from agent.util import logutil
 from agent.supervisor import Policy, Supervisor
 cfg = json.loads(sys.argv[1])
 logutil.configure_console(False)
