@@ -178,13 +178,26 @@ def test_no_module_is_a_mixin_and_no_method_is_a_stand_in() -> None:
     assert not found, "\n".join(found)
 
 
-def test_the_readme_layout_names_every_module() -> None:
+def test_the_readme_layout_is_the_tree() -> None:
+    """The README's layout table names every module of agent/, under its folder, and no module
+    that is gone; its rows are the layers above, lowest first."""
     readme = (AGENT.parent / "README.md").read_text()
-    missing = [
+    section = readme[readme.index("### Layout") :]
+    rows = [r for r in section.split("\n\n")[2].splitlines()[2:] if r.startswith("| ")]
+    named: set[str] = set()
+    order: list[tuple[str, ...]] = []
+    for row in rows:
+        first, _what, modules = (c.strip() for c in row.strip("|").split(" | "))
+        order.append(
+            tuple(
+                u.strip("`/").removeprefix("agent/").removesuffix(".py") for u in first.split(", ")
+            )
+        )
+        named |= {f"agent/{m.strip('`')}" for m in modules.split(", ")}
+    tree = {
         str(p.relative_to(AGENT.parent))
-        for p in sorted(AGENT.rglob("*.py"))
-        if p.name != "__init__.py"
-        and str(p.relative_to(AGENT.parent)) not in readme
-        and f"`{p.name}`" not in readme
-    ]
-    assert not missing, missing
+        for p in AGENT.rglob("*.py")
+        if not (p.name == "__init__.py" and p.parent.parent == AGENT)
+    } - {"agent/__init__.py"}
+    assert sorted(tree - named) == [] and sorted(named - tree) == []
+    assert order == LAYERS
