@@ -15,7 +15,7 @@ in this process on 127.0.0.1.
 
 Every ``--every`` seconds (0.2) it reads ``/proc/PID/smaps_rollup`` of each process of ours:
 the supervisor, its forked job check (it reads the job file and exits, before the agent starts),
-the agent (``agent.cli run``), the guard (``agent.guard.run``), the NVML host
+the agent (``agent.cli run``), the guard (``python -m agent.guard``), the NVML host
 (``agent/gpu/nvml.py``); the trainer, the torch probe and this bench are not ours to count. PSS
 counts a page shared by N processes as 1/N in each, so the sum of PSS is what they cost the box
 together. Printed: per process its peak PSS and RSS (and Pss_Anon, the part no other process
