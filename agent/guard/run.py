@@ -1,7 +1,7 @@
 """The guard: a tiny process that outlives the agent and stops the box when the agent is dead.
 
 If the agent dies (OOM-killed, a bug, a deleted venv) and nothing restarts it, nothing would stop
-the bill. The guard is that something: ``python -m agent.guard.run STATE_DIR``, started by the agent
+the bill. The guard is that something: ``python -m agent.guard STATE_DIR``, started by the agent
 (:func:`~agent.guard.plan.ensure_running`) in its own session, standard library plus the agent's
 providers (no torch, no HTTP server), so it survives whatever took the agent down.
 
@@ -625,7 +625,7 @@ def _configure_logging() -> logging.Handler:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m agent.guard.run",
+        prog="python -m agent.guard",
         description="Watch the agent's heartbeat in STATE_DIR and stop the box when the agent "
         "is dead past the job's hard deadline. Started by `libreyolo-agent run`.",
     )
