@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agent import __version__
 from agent.config.model import Env
+from agent.util import redact as redaction
 from agent.util.text import one_line
 
 log = logging.getLogger(__name__)
@@ -463,14 +464,10 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def redact(text: str, token: str | None) -> str:
-    """``text`` with ``token`` replaced by :data:`REDACTED`, also in the forms error messages
-    show it in: stripped of whitespace, or escaped (``b'Bearer hf_...\\n'``)."""
-    if not token:
-        return text
-    forms = {token, token.strip(), token.encode("unicode_escape").decode("ascii")}
-    for form in sorted((f for f in forms if f), key=len, reverse=True):
-        text = text.replace(form, REDACTED)
-    return text
+    """``text`` with ``token`` replaced by :data:`REDACTED` in every form error messages show it
+    in (stripped, escaped: ``b'Bearer hf_...\\n'``), and every other secret removed
+    (:func:`agent.util.redact.redact`)."""
+    return redaction.redact(text, [("HF_TOKEN", token)] if token else ())
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -41,12 +41,14 @@ def test_the_copy_is_redacted_line_by_line_and_follows_the_source(
     assert again.endswith(b"later <HF_TOKEN>\n")
 
 
-def test_without_secrets_the_file_goes_as_it_is(tmp_path: Path) -> None:
+def test_without_known_secrets_a_token_is_still_found_by_its_shape(tmp_path: Path) -> None:
+    # No secret read from the environment (no HF_TOKEN set), yet the trainer printed a header.
     logutil.redact_secrets([])
-    log = tmp_path / "agent.log"
-    log.write_text("nothing secret\n")
-    assert redacted_copy(log, tmp_path / "redacted") == log
-    assert not (tmp_path / "redacted").exists()
+    log = tmp_path / "trainer.log"
+    log.write_text("nothing secret\nAuthorization: Bearer abcdef0123456789xyz\n")
+    copy = redacted_copy(log, tmp_path / "redacted")
+    assert copy == tmp_path / "redacted" / "trainer.log"
+    assert copy.read_text() == "nothing secret\nAuthorization: Bearer <secret>\n"
 
 
 def test_a_log_that_cannot_be_copied_is_left_out_never_sent_raw(

@@ -21,13 +21,13 @@ through :func:`redact` with the environment's secrets.
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from agent.config.model import Env, TeardownAction, TeardownSection
+from agent.util import redact as redaction
 
 if TYPE_CHECKING:
     from agent.providers.api import Timing
@@ -184,14 +184,7 @@ def finished(
 
 
 def redact(text: str, secrets: Iterable[tuple[str, str]]) -> str:
-    """``text`` with each secret ``(name, value)`` replaced by ``<NAME>``, also in the forms an
-    error shows it in: stripped, escaped (``b'Bearer ...\\n'``) or as HTTP Basic credentials
-    (base64 of ``KEY:``)."""
-    for name, value in secrets:
-        if not value:
-            continue
-        basic = base64.b64encode(f"{value}:".encode()).decode("ascii")
-        forms = {value, value.strip(), value.encode("unicode_escape").decode("ascii"), basic}
-        for form in sorted((f for f in forms if len(f) >= 4), key=len, reverse=True):
-            text = text.replace(form, f"<{name}>")
-    return text
+    """``text`` with each secret ``(name, value)`` replaced by ``<NAME>`` in every form an error
+    shows it in (stripped, escaped, HTTP Basic's base64 of ``KEY:``), and every other secret
+    removed (:func:`agent.util.redact.redact`)."""
+    return redaction.redact(text, secrets)

@@ -29,14 +29,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiohttp
-import yarl
 
 from agent.config.jobvalues import format_duration
 from agent.config.model import NotifySection
 from agent.events import Event, EventBus
+from agent.util import redact as redaction
 from agent.util.backoff import delay_s, retry_after_s
 from agent.util.text import one_line
 
@@ -45,9 +44,7 @@ log = logging.getLogger(__name__)
 #: Notices that may wait for the receiver before the oldest are dropped.
 QUEUE = 200
 #: What a redacted secret becomes.
-REDACTED = "<secret>"
-#: Secrets shorter than this are not matched (too many false hits), as in agent.log.
-MIN_SECRET = 6
+REDACTED = redaction.SECRET
 #: Discord refuses a ``content`` over 2,000 characters.
 MAX_TEXT = 1900
 #: An open teardown (not confirmed, tried again with backoff) is said again at most this often,
@@ -84,63 +81,39 @@ class _Notice:
 
 
 def url_secrets(url: str) -> list[str]:
-    """The forms in which a webhook URL (a secret) can show up in an error message: whole, as
-    the HTTP client normalises it, without its scheme, and its path, query, password and long
-    path segments (a token alone)."""
-    forms = [url, url.rstrip("/")]
-    with contextlib.suppress(ValueError):
-        forms.append(str(yarl.URL(url)))
-    with contextlib.suppress(ValueError):
-        parsed = urlsplit(url)
-        forms.append(url.split("://", 1)[-1])
-        if parsed.path.strip("/"):
-            forms.extend([parsed.path, unquote(parsed.path)])
-        forms.extend(s for s in parsed.path.split("/") if len(s) >= 16)
-        forms.extend([parsed.query, parsed.password or ""])
-    return [f for f in forms if f]
+    """The forms in which the webhook URL shows up in an error message
+    (:func:`agent.util.redact.url_forms`)."""
+    return redaction.url_forms(url)
 
 
 class Redactor:
-    """Replaces every form of every secret by :data:`REDACTED`, in a text or a JSON value."""
+    """Every form of every secret (and of the webhook URL) out of a notice, as :data:`REDACTED`,
+    and every other secret the agent knows or recognises (:mod:`agent.util.redact`)."""
 
     def __init__(self, secrets: Iterable[str]) -> None:
-        forms: set[str] = set()
-        for secret in secrets:
-            if not secret:
-                continue
-            forms.update(
-                {
-                    secret,
-                    secret.strip(),
-                    secret.encode("unicode_escape").decode("ascii"),
-                    json.dumps(secret)[1:-1],
-                    json.dumps(secret, ensure_ascii=False)[1:-1],
-                }
-            )
-        # Longest first: a secret that contains another is replaced whole.
-        self.forms = tuple(
-            sorted((f for f in forms if len(f) >= MIN_SECRET), key=len, reverse=True)
-        )
+        # Named like the secrets found by their shape: a notice does not say which one it was.
+        self.secrets = tuple(("secret", s) for s in secrets if s)
 
     def text(self, text: str) -> str:
-        for form in self.forms:
-            text = text.replace(form, REDACTED)
-        return text
+        return redaction.redact(text, self.secrets)
 
     def value(self, value: Any) -> Any:
-        """A JSON-safe copy of ``value`` with every string redacted (keys too); a number that
-        JSON cannot carry (NaN, infinity) becomes None."""
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, bool) or value is None or isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else None
-        if isinstance(value, dict):
-            return {self.text(str(k)): self.value(v) for k, v in value.items()}
-        if isinstance(value, list | tuple | set | frozenset):
-            return [self.value(v) for v in value]
-        return self.text(str(value))
+        """A JSON-safe copy of ``value`` with every string redacted (keys too)."""
+        return redaction.redact_value(_json_safe(value), self.secrets)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` as JSON can carry it: a number it cannot (NaN, infinity) becomes None, a set a
+    list, a key or an unknown object its ``str``."""
+    if isinstance(value, str | bool | int) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_json_safe(v) for v in value]
+    return str(value)
 
 
 # --------------------------------------------------------------------------------------------

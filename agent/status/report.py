@@ -5,7 +5,7 @@ sync target), so the story of the run survives the box that ran it.
 ``/status`` document, the sync ledger, ``metrics.jsonl``, the warnings it published);
 :func:`markdown` tells the same as one readable page; :func:`write` puts both in the state
 directory the way every state file is written (atomic, 0600). The state holds no secret, and
-every string still goes through the secrets the log redacts (:mod:`agent.util.logutil`).
+every string still goes through the redaction the log gets (:mod:`agent.util.redact`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from agent.config.jobvalues import format_duration
 from agent.state import RunState, atomic_write_json, atomic_write_text
 from agent.sync.ledger import LedgerEntry
-from agent.util import logutil
+from agent.util import redact as redaction
 
 #: Bumped when a key changes meaning; readers (``libreyolo-agent status``) check it.
 FORMAT = 1
@@ -183,24 +183,9 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 
 def redact(value: Any) -> Any:
-    """``value`` with every secret the agent's log redacts replaced by ``<VARIABLE>``, in every
-    string (keys included), however deep."""
-    secrets = [(n, s) for n, s in logutil.redact.secrets if len(s) >= 6]
-    if not secrets:
-        return value
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, str):
-            for name, secret in secrets:
-                v = v.replace(secret, f"<{name}>")
-            return v
-        if isinstance(v, Mapping):
-            return {clean(k): clean(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [clean(x) for x in v]
-        return v
-
-    return clean(value)
+    """``value`` without any secret, in every string (keys included), however deep
+    (:func:`agent.util.redact.redact_value`: the redaction agent.log gets)."""
+    return redaction.redact_value(value)
 
 
 # ------------------------------------------------------------------------------------ text

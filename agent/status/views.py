@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.events import QUEUE, Event, EventBus, Subscription
-from agent.util import logutil
+from agent.util import redact as redaction
 from agent.util.text import os_error
 from agent.util.threads import in_thread
 
@@ -92,8 +92,9 @@ def render(doc: Mapping[str, Any], *, now: float | None = None) -> bytes:
 
 def redact_line(line: str) -> str:
     """``line`` with every secret the agent read from the environment replaced by
-    ``<VARIABLE>``: the same redaction agent.log gets (:data:`agent.util.logutil.redact`)."""
-    return logutil.redact_text(line)
+    ``<VARIABLE>``, and every other secret removed: the same redaction agent.log gets
+    (:func:`agent.util.redact.redact`)."""
+    return redaction.redact(line)
 
 
 def tail_lines(path: str | os.PathLike[str], n: int) -> list[str]:

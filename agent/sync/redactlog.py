@@ -1,5 +1,6 @@
 """Logs as they may leave the box: every secret the agent read from the environment replaced by
-``<VARIABLE>``, the very redaction ``GET /logs`` gives (:func:`agent.util.logutil.redact_text`).
+``<VARIABLE>``, every other one it recognises (a Bearer token, a signed URL) by ``<secret>``: the
+very redaction ``GET /logs`` gives (:func:`agent.util.redact.redact`).
 
 ``trainer.log`` is written by the trainer itself (a process that outlives the agent, its output
 straight into the file), so whatever it prints (a token in a traceback, an environment dump)
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from agent.util import logutil
+from agent.util import redact as redaction
 from agent.util.text import os_error
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,10 @@ _made: dict[Path, tuple[int, int, int]] = {}
 
 
 def redacted_copy(src: Path, folder: Path) -> Path:
-    """``src`` itself when no secret is known, else ``folder/<name>``: its lines redacted, made
-    again only when ``src`` changed since the last copy. A missing ``src`` is returned as is
-    (the sync says it is unavailable). Blocking; raises ``OSError`` when the copy fails."""
-    secrets = logutil.redact.secrets
-    if not secrets:
-        return src
+    """``folder/<name>``: the lines of ``src`` redacted, made again only when ``src`` changed
+    since the last copy. Always a copy, also when no secret of the environment is known: a
+    token is also found by its shape. A missing ``src`` is returned as is (the sync says it is
+    unavailable). Blocking; raises ``OSError`` when the copy fails."""
     try:
         st = src.stat()
     except FileNotFoundError:
@@ -47,8 +46,9 @@ def redacted_copy(src: Path, folder: Path) -> Path:
             open(src, encoding="utf-8", errors="surrogateescape", newline="") as f,
             open(tmp, "w", encoding="utf-8", errors="surrogateescape", newline="") as out,
         ):
+            clean = redaction.redactor().text
             for line in f:  # a secret never spans a line break
-                out.write(logutil.redact_text(line))
+                out.write(clean(line))
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -20,7 +20,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
-log = logging.getLogger("agent.util.logutil")
+from agent.util.redact import redact as redact_secret_text
+from agent.util.redact import remember, remembered
+
+log = logging.getLogger(__name__)
 
 #: Seconds during which a repeated record is held back after it was let through.
 DEFAULT_INTERVAL_S = 60.0
@@ -164,32 +167,30 @@ def _append_to_first_line(record: logging.LogRecord, text: str) -> None:
 
 
 class RedactFilter(logging.Filter):
-    """Replaces every secret the agent read from the environment (HF_TOKEN, provider keys) by
-    ``<VARIABLE>`` in each record, its arguments and its traceback, before any handler writes
-    it: the backstop behind each module's own redaction, since agent.log is uploaded with the
-    checkpoints. Secrets shorter than 6 characters are not matched (too many false hits)."""
+    """Removes every secret from each record, its arguments and its traceback, before any
+    handler writes it (:func:`agent.util.redact.redact`: the secrets the agent read from the
+    environment (HF_TOKEN, provider keys) as ``<VARIABLE>``, and Bearer tokens, credentials in
+    URLs and the like as ``<secret>``): the backstop behind each module's own redaction, since
+    agent.log is uploaded with the checkpoints."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.secrets: tuple[tuple[str, str], ...] = ()
+    @property
+    def secrets(self) -> tuple[tuple[str, str], ...]:
+        """The ``(variable, value)`` pairs redacted (:func:`agent.util.redact.remembered`)."""
+        return remembered()
+
+    @secrets.setter
+    def secrets(self, secrets: Iterable[tuple[str, str]]) -> None:
+        remember(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.secrets:
-            return True
         message = record.getMessage()
-        cleaned = self._clean(message)
+        cleaned = redact_text(message)
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
-        exc_text = self._clean(record.exc_text) if record.exc_text else record.exc_text
+        exc_text = redact_text(record.exc_text) if record.exc_text else record.exc_text
         if cleaned != message or exc_text != record.exc_text:
             record.msg, record.args, record.exc_text = cleaned, None, exc_text
         return True
-
-    def _clean(self, text: str) -> str:
-        for name, value in self.secrets:
-            if len(value) >= 6:
-                text = text.replace(value, f"<{name}>")
-        return text
 
 
 #: The filters :func:`install` shares between handlers.
@@ -198,13 +199,14 @@ redact = RedactFilter()
 
 
 def redact_text(text: str) -> str:
-    """``text`` with every secret :func:`redact_secrets` was given replaced by ``<VARIABLE>``."""
-    return redact._clean(text) if redact.secrets else text
+    """``text`` without any secret (:func:`agent.util.redact.redact`)."""
+    return redact_secret_text(text)
 
 
 def redact_secrets(secrets: Iterable[tuple[str, str]]) -> None:
-    """Redact these ``(variable, value)`` pairs in every handler :func:`install` covers."""
-    redact.secrets = tuple((n, v) for n, v in secrets if v)
+    """Redact these ``(variable, value)`` pairs from now on, everywhere
+    (:func:`agent.util.redact.remember`)."""
+    remember(secrets)
 
 
 def install(handler: logging.Handler, *, libraries: Iterable[str] = LIBRARY_LOGGERS) -> None:
