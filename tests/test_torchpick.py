@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.install import extras as job_extras
 from agent.install import torchpick
 from agent.install.torchpick import Gpu, ImageTorch, Smi, decide, has_kernels, parse_smi
 from tests.fakes.image_torch import image_venv
@@ -412,8 +413,9 @@ def test_every_extra_named_exists_in_the_installed_libreyolo() -> None:
     from importlib.metadata import metadata
 
     provided = set(metadata("libreyolo").get_all("Provides-Extra") or [])
-    assert provided >= torchpick.KNOWN_EXTRAS
-    assert {extra for _, extra in (*torchpick.FAMILY_EXTRAS, *torchpick.SWITCH_EXTRAS)} <= provided
+    assert provided >= job_extras.KNOWN_EXTRAS
+    named = (*job_extras.FAMILY_EXTRAS, *job_extras.SWITCH_EXTRAS)
+    assert {extra for _, extra in named} <= provided
 
 
 # ---- nothing pending

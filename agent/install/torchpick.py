@@ -10,7 +10,8 @@ call:
   the default build (the CUDA one, ~3 GB). Prints the decision and its reason.
 - ``python3 -m agent.install.torchpick sees --python VENV/bin/python [--expect DIR]``: which torch a
   venv would import (exit 1 with the reason when none, or another one than ``--expect``).
-- ``python3 -m agent.install.torchpick extras JOB.toml``: LibreYOLO's extras the job needs.
+- ``python3 -m agent.install.torchpick extras JOB.toml``: LibreYOLO's extras the job needs
+  (agent/install/extras.py).
 - ``python3 -m agent.install.torchpick uptodate REPORT``: exit 0 when a ``pip install --dry-run
   --report`` of the agent has nothing left to do (pip always lists an editable install).
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.install import torchmeta
+from agent.install.extras import check_extras, read_job_extras
 from agent.install.torchindex import IndexProbe, probe_cpu_index
 
 #: The torch build for a machine without an NVIDIA GPU (install.sh's default ``TORCH_SPEC``).
@@ -111,19 +113,6 @@ BUILDS: tuple[Build, ...] = (
     Build((12, 1), "2.5.1", "0.20.1", (5, 0), (10, 0)),
     Build((11, 8), "2.7.1", "0.22.1", (5, 0), (10, 0)),
 )
-
-#: LibreYOLO 1.6.0's extras this module may ask for (each is a ``Provides-Extra`` of 1.6.0).
-KNOWN_EXTRAS = frozenset({"rfdetr", "eomt", "lora", "onnx"})
-#: Model families (``train.model`` name or file name, lower case, ``Libre`` prefix, ``-`` and
-#: ``_`` dropped) whose code needs an extra: RF-DETR and DINOv2 build on ``transformers``
-#: (``libreyolo[rfdetr]``), EoMT as well (``libreyolo[eomt]``).
-FAMILY_EXTRAS: tuple[tuple[str, str], ...] = (
-    ("rfdetr", "rfdetr"),
-    ("dinov2", "rfdetr"),
-    ("eomt", "eomt"),
-)
-#: ``[train]`` switches that need an extra: LoRA needs ``peft``, the ONNX export check ``onnx``.
-SWITCH_EXTRAS: tuple[tuple[str, str], ...] = (("lora", "lora"), ("export_check", "onnx"))
 
 Action = Literal["keep", "install", "default"]
 
@@ -470,50 +459,6 @@ def read_smi() -> Smi | None:
 def read_image_torch(python: str) -> ImageTorch:
     """The torch ``python`` would import (the image's), read from its files."""
     return image_torch(torchmeta.read_seen(python))
-
-
-# ------------------------------------------------------------------------------ extras
-
-
-def _family_of(model: str) -> str:
-    name = Path(model).name.lower()
-    name = name.removeprefix("libre")
-    return name.replace("-", "").replace("_", "")
-
-
-def job_extras(train: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """LibreYOLO extras for a job's ``[train]`` table, and why each one."""
-    extras: dict[str, str] = {}
-    model = train.get("model")
-    if isinstance(model, str):
-        family = _family_of(model)
-        for prefix, extra in FAMILY_EXTRAS:
-            if family.startswith(prefix):
-                extras.setdefault(extra, f"train.model = {model!r} ({prefix})")
-    for key, extra in SWITCH_EXTRAS:
-        if train.get(key) is True:
-            extras.setdefault(extra, f"train.{key} = true")
-    return sorted(extras), [f"{e}: {extras[e]}" for e in sorted(extras)]
-
-
-def read_job_extras(path: Path) -> tuple[list[str], list[str]]:
-    """:func:`job_extras` of a job file (Python 3.11+: ``tomllib``)."""
-    import tomllib
-
-    with path.open("rb") as f:
-        doc = tomllib.load(f)
-    train = doc.get("train")
-    return job_extras(train if isinstance(train, dict) else {})
-
-
-def check_extras(names: Iterable[str]) -> list[str]:
-    """``names`` without blanks and duplicates; ValueError naming any unknown one."""
-    clean = sorted({n.strip() for n in names if n.strip()})
-    unknown = [n for n in clean if n not in KNOWN_EXTRAS]
-    if unknown:
-        known = ", ".join(sorted(KNOWN_EXTRAS))
-        raise ValueError(f"unknown LibreYOLO extra(s) {', '.join(unknown)} (known: {known})")
-    return clean
 
 
 # ------------------------------------------------------------------------------ pending
