@@ -50,7 +50,8 @@ It lives as long as the job, so it is kept small (issue 26: every process of our
 checked in a forked child that exits (the job parser, and a bad job's teardown, never stay in
 this process); the loop waits on the agent's pidfd and a signal pipe with ``select`` instead of
 asyncio. It imports the standard library's ``subprocess``, ``logging`` and ``argparse``, and of
-the agent only :mod:`agent.util.logutil`, :mod:`agent.state` and :mod:`agent.util.childenv`
+the agent only :mod:`agent.util.logutil` (with :mod:`agent.util.redact`), :mod:`agent.state`,
+:mod:`agent.util.backoff` and :mod:`agent.util.childenv`
 (tests/test_supervisor.py checks what a running supervisor holds).
 """
 
@@ -72,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agent.state import atomic_write_json, lock_with_pid
 from agent.util import logutil
+from agent.util.backoff import doubling_s
 from agent.util.childenv import child_env
 
 if TYPE_CHECKING:
@@ -162,8 +164,7 @@ class Policy:
 
     def backoff_s(self, in_a_row: int) -> float:
         """The wait before restart number ``in_a_row`` (1 for the first)."""
-        doublings = min(max(in_a_row - 1, 0), 32)
-        return float(min(self.max_backoff_s, self.first_backoff_s * 2**doublings))
+        return doubling_s(in_a_row, first_s=self.first_backoff_s, cap_s=self.max_backoff_s)
 
     def after_exit(self, returncode: int, uptime_s: float, in_a_row: int) -> Verdict:
         """The verdict on an agent that exited with ``returncode`` (negative: killed by that

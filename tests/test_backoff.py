@@ -32,3 +32,12 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     later = email.utils.formatdate(time.time() + 120, usegmt=True)
     got = retry_after_s({"Retry-After": later})
     assert got is not None and 100 < got <= 120
+
+
+def test_doubling_without_jitter_is_what_restarts_and_resumes_wait() -> None:
+    from agent.util.backoff import doubling_s
+
+    assert [doubling_s(n, first_s=5.0, cap_s=300.0) for n in range(0, 9)] == [
+        5, 5, 10, 20, 40, 80, 160, 300, 300,
+    ]  # fmt: skip
+    assert doubling_s(10**9, first_s=1.0, cap_s=600.0) == 600.0

@@ -30,6 +30,7 @@ from agent.config.model import LimitsSection
 from agent.state import Reason
 from agent.trainer.process import Outcome, OutcomeKind
 from agent.trainer.rundir import RunStatus, is_valid_checkpoint
+from agent.util.backoff import doubling_s
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def decide(
                 f"the same failure at the same epoch twice ({kind} at epoch {epoch}: "
                 f"{outcome.message[:120]}): deterministic, not retrying",
             )
-    wait = min(cfg.restart_backoff_s * 2**done, MAX_BACKOFF_S)
+    wait = doubling_s(done + 1, first_s=cfg.restart_backoff_s, cap_s=MAX_BACKOFF_S)
     return Decision(
         True,
         f"resume {done + 1}/{cfg.max_restarts} after {kind} at epoch {epoch}",

@@ -1,9 +1,11 @@
-"""How long to wait before trying again: exponential, capped, jittered."""
+"""How long to wait before trying again: exponential, capped, jittered. The one home of the
+rule: the notifier, the sync, the providers (:func:`delay_s`), the supervisor's restarts and the
+trainer's resumes (:func:`doubling_s`, no jitter: one process, nothing to spread out) all ask it.
+Imports nothing heavy: the supervisor, which must stay small, uses it."""
 
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import math
 import random
 import time
@@ -16,14 +18,19 @@ _MAX_DOUBLINGS = 64
 _rng = random.Random()
 
 
+def doubling_s(attempt: int, *, first_s: float, cap_s: float) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (1 for the first): ``first_s``,
+    twice that, four times... never more than ``cap_s``."""
+    doublings = min(max(attempt - 1, 0), _MAX_DOUBLINGS)
+    return float(min(cap_s, first_s * 2**doublings))
+
+
 def delay_s(
     attempt: int, *, first_s: float, cap_s: float, rng: random.Random | None = None
 ) -> float:
-    """Seconds to wait after failed attempt number ``attempt`` (1 for the first): ``first_s``,
-    twice that, four times... capped at ``cap_s``, then scaled by a random factor in [0.5, 1] so
-    that retries of many clients (or items) spread out. Never more than the cap."""
-    doublings = min(max(attempt - 1, 0), _MAX_DOUBLINGS)
-    base = min(cap_s, first_s * 2**doublings)
+    """:func:`doubling_s` scaled by a random factor in [0.5, 1] so that retries of many clients
+    (or items) spread out. Never more than the cap."""
+    base = doubling_s(attempt, first_s=first_s, cap_s=cap_s)
     return float(base * (rng or _rng).uniform(0.5, 1.0))
 
 
@@ -35,6 +42,8 @@ def retry_after_s(headers: Mapping[str, str]) -> float | None:
     with contextlib.suppress(ValueError, OverflowError):
         seconds = float(value)
         return max(0.0, seconds) if math.isfinite(seconds) else None
+    import email.utils  # here: the supervisor never reads a Retry-After
+
     with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     return None
