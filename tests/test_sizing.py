@@ -14,10 +14,10 @@ from agent.config.jobfile import parse_job
 from agent.config.model import Job, ProfileSection
 from agent.gpu.health import GpuSample
 from agent.trainer.rundir import RunStatus
+from agent.watch.sampling import TreeCpu
 from agent.watch.sizing import (
     Projection,
     SizingWatch,
-    TreeCpu,
     Verdict,
     advice,
     job_gpu_indices,
@@ -37,7 +37,7 @@ def job(extra: str = "") -> Job:
 
 @dataclass
 class Recorded:
-    """A :class:`agent.watch.sizing.Sampler` that replays recorded readings, one per turn: GPU
+    """A :class:`agent.watch.sampling.Sampler` that replays recorded readings, one per turn: GPU
     (util %, watts) per GPU, CPU cores the tree used during the turn, processes in the tree."""
 
     gpu: list[tuple[float | None, float | None]]

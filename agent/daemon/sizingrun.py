@@ -28,8 +28,8 @@ from agent.state import RunState
 from agent.trainer.process import TrainerProcess
 from agent.trainer.rundir import RunStatus
 from agent.watch.profiling import ProfileResult, run_profile
+from agent.watch.sampling import ProcessSampler
 from agent.watch.sizing import (
-    ProcessSampler,
     Projection,
     SizingWatch,
     profile_seconds_per_epoch,
