@@ -198,10 +198,10 @@ def test_the_trainers_exit_is_acted_on_at_once_not_at_the_next_poll(tmp_path: Pa
     async def main() -> int:
         task = asyncio.create_task(daemon.run())
         await started(daemon)
-        turns = daemon.loop_turns
+        turns = daemon.training.loop_turns
         trainer.exit(0)
         code = await asyncio.wait_for(task, 60)
-        assert daemon.loop_turns == turns + 1  # the one turn the exit woke
+        assert daemon.training.loop_turns == turns + 1  # the one turn the exit woke
         return code
 
     assert asyncio.run(main()) == 0

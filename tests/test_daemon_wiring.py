@@ -101,7 +101,7 @@ def test_sizing_verdict_and_projection_are_served_and_stop_a_wrong_box(
     daemon, trainer, _, clock = make(tmp_path, limits, extra=extra)
     daemon.gpu = BusyGpu()  # type: ignore[assignment]
     # The tiny job trains on the CPU (device "cpu": no GPU of its own); watch every GPU instead.
-    daemon.sizing = SizingWatch(gpu_indices=None, workers=0)
+    daemon.sizing.watch = SizingWatch(gpu_indices=None, workers=0)
 
     async def main() -> int:
         task = asyncio.create_task(daemon.run())
@@ -115,7 +115,8 @@ def test_sizing_verdict_and_projection_are_served_and_stop_a_wrong_box(
     assert asyncio.run(main()) == 0
     assert daemon.state.reason == Reason.PREFLIGHT_FAILED
     assert (daemon.state.cause or "").startswith("sizing: wrong box: idle gpu"), daemon.state.cause
-    assert daemon.projection is not None and daemon.projection.total_usd is not None
+    assert daemon.sizing.projection is not None
+    assert daemon.sizing.projection.total_usd is not None
     # What /status serves (the same document): the verdict and the projection at $3.6/h.
     served = daemon.status_dict()["sizing"]
     assert served["verdict"]["bound"] == "idle gpu" and served["verdict"]["wrong_box"] is True

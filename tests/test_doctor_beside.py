@@ -90,8 +90,8 @@ def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         del probe, session
-        await wait_for(lambda: getattr(daemon, "_doctor_procs", None), timeout=60)
-        proc = daemon._doctor_procs[0]
+        await wait_for(lambda: daemon.doctor.procs, timeout=60)
+        proc = daemon.doctor.procs[0]
         seen.append(proc.pid)
         assert proc.poll() is None  # still checking: the doctor imports torch first
         assert daemon.flags is not None
@@ -101,7 +101,7 @@ def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
     assert code == 0
     assert seen
     assert daemon.state.reason == Reason.STOPPED_BY_USER
-    assert daemon._doctor_procs[0].poll() is not None
+    assert daemon.doctor.procs[0].poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(seen[0], 0)  # the group is gone
 
@@ -110,27 +110,30 @@ def test_a_queued_doctor_starts_at_the_trainers_first_status_or_at_the_cap() -> 
     """When the doctor starts (the decision alone; the real runs are above): at the trainer's
     first status.json, or DOCTOR_START_CAP_S after its launch for a trainer that has none yet,
     and once."""
-    from agent.daemon.doctor import DOCTOR_START_CAP_S, DoctorBesideMixin
+    from agent.daemon.doctor import DOCTOR_START_CAP_S, DoctorBeside
 
-    class Recorder(DoctorBesideMixin):
+    class Recorder(DoctorBeside):
+        """Records the starts instead of starting ``libreyolo doctor`` (no run context used)."""
+
         def __init__(self) -> None:
+            super().__init__(None)  # type: ignore[arg-type]
             self.started: list[object] = []
 
-        def _start_doctor(self, report: dict[str, object] | None) -> None:
-            self._doctor_due = False
+        def start(self, report: dict[str, object] | None) -> None:
+            self.due = False
             self.started.append(report)
 
     slow = Recorder()
-    slow._queue_doctor({"ok": True})
-    slow._doctor_when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S - 1)
+    slow.queue({"ok": True})
+    slow.when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S - 1)
     assert slow.started == []
-    slow._doctor_when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S)
+    slow.when_started(status_seen=False, since_launch_s=DOCTOR_START_CAP_S)
     assert slow.started == [{"ok": True}]
-    slow._doctor_when_started(status_seen=True, since_launch_s=0.0)
+    slow.when_started(status_seen=True, since_launch_s=0.0)
     assert len(slow.started) == 1
     quick = Recorder()
-    quick._doctor_when_started(status_seen=True, since_launch_s=99.0)
+    quick.when_started(status_seen=True, since_launch_s=99.0)
     assert quick.started == []  # nothing queued: nothing starts
-    quick._queue_doctor(None)
-    quick._doctor_when_started(status_seen=True, since_launch_s=0.0)
+    quick.queue(None)
+    quick.when_started(status_seen=True, since_launch_s=0.0)
     assert quick.started == [None]

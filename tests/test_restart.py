@@ -343,7 +343,7 @@ def test_a_real_crash_is_counted_in_the_state_file(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("agent.daemon.spine.Daemon._staging", broken)
+    monkeypatch.setattr("agent.daemon.prepare.Preparation.staging", broken)
     with pytest.raises(RuntimeError):
         asyncio.run(Daemon(job, env).run())
     state = StateStore(env.state_dir).load()
@@ -395,12 +395,12 @@ def test_stop_does_not_spin_the_agent_while_the_trainer_winds_down(
         assert daemon.trainer is not None
         # The trainer ignores SIGINT for the whole stop grace (as a hung one would).
         os.kill(daemon.trainer.pid, signal.SIGSTOP)
-        before = daemon.loop_turns
+        before = daemon.training.loop_turns
         cpu0 = time.process_time()
         assert daemon.flags is not None
         daemon.flags.stop_job.set()
         await asyncio.sleep(3.0)
-        turns["turns"] = daemon.loop_turns - before
+        turns["turns"] = daemon.training.loop_turns - before
         turns["cpu_ms"] = int((time.process_time() - cpu0) * 1000)
         os.kill(daemon.trainer.pid, signal.SIGCONT)
 

@@ -556,7 +556,7 @@ def test_sigterm_declared_a_notice_saves_last_pt_and_exits_and_the_next_agent_re
 
     async def during(run: Run) -> None:
         await run.paused()
-        run.daemon._sigterm_notice()  # what the SIGTERM handler calls
+        run.daemon.control.sigterm_notice()  # what the SIGTERM handler calls
 
     assert first.go(during) == 0  # the agent exits by itself
     state = StateStore(first.env.state_dir).load()
@@ -587,7 +587,7 @@ def test_a_trainer_hung_after_completing_is_killed_and_the_run_counts_as_complet
     daemon = run.daemon
     assert daemon.state.reason == Reason.COMPLETED, daemon.state.cause
     assert daemon.state.resumes == []
-    assert daemon.hung_at_exit
+    assert daemon.training.hung_at_exit
     assert daemon.state.outcome is not None
     assert daemon.state.outcome["kind"] == "completed"
     assert daemon.state.outcome["message"] == "training completed; killed while hung at exit"
@@ -669,8 +669,8 @@ def test_extend_moves_the_deadline_and_the_run_goes_past_the_old_one(
         clock.now = old + 60.0  # a minute past the old deadline
         if not extended:
             return
-        turns = run.daemon.loop_turns
-        await wait_for(lambda: run.daemon.loop_turns >= turns + 5, WAIT_S)
+        turns = run.daemon.training.loop_turns
+        await wait_for(lambda: run.daemon.training.loop_turns >= turns + 5, WAIT_S)
         assert run.daemon.state.phase == Phase.TRAINING
         assert run.daemon.trainer is not None and run.daemon.trainer.exit_code is None
         assert run.daemon.breach_message is None

@@ -30,9 +30,8 @@ import subprocess
 from typing import Any
 
 from agent.config.model import Job
+from agent.daemon.context import RunContext
 from agent.data import staging
-from agent.events import EventBus
-from agent.state import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +42,29 @@ DOCTOR_AFTER_EXIT_S = 120.0
 DOCTOR_START_CAP_S = 30.0
 
 
-class DoctorBesideMixin:
-    # Provided by the daemon.
-    job: Job
-    store: StateStore
-    events: EventBus
-    staging_report: dict[str, Any] | None
+def runs_beside(job: Job) -> bool:
+    """Whether this job's doctor runs beside the trainer (not before it)."""
+    check = job.data_check
+    return check.doctor and not check.doctor_first and job.train.get("data") is not None
 
-    _doctor: asyncio.Task[staging.StagingOutcome] | None = None
-    _doctor_procs: list[subprocess.Popen[str]]
-    #: Staging passed and the doctor is to run beside the trainer, not started yet: the
-    #: staging report it completes (``_due`` says whether there is one).
-    _doctor_due = False
-    _doctor_report: dict[str, Any] | None = None
 
-    def _doctor_beside(self) -> bool:
-        """Whether this job's doctor runs beside the trainer (not before it)."""
-        check = self.job.data_check
-        return check.doctor and not check.doctor_first and self.job.train.get("data") is not None
+class DoctorBeside:
+    """The doctor of one run: queued by staging, started and read by the training loop, killed
+    when the run ends. Its verdict completes the context's staging report."""
 
-    def _queue_doctor(self, report: dict[str, Any] | None) -> None:
-        """Run the doctor once the trainer has started (:meth:`_doctor_when_started`)."""
-        self._doctor_due, self._doctor_report = True, report
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        #: Staging passed and the doctor is to run beside the trainer, not started yet; the
+        #: staging report it completes.
+        self.due = False
+        self.report: dict[str, Any] | None = None
+        self.task: asyncio.Task[staging.StagingOutcome] | None = None
+        #: The doctor's processes (their groups are killed by :meth:`stop`).
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def queue(self, report: dict[str, Any] | None) -> None:
+        """Run the doctor once the trainer has started (:meth:`when_started`)."""
+        self.due, self.report = True, report
         log.info(
             "libreyolo doctor runs once the trainer has started (its first status.json, or "
             "%.0fs after its launch); its errors stop the trainer (dataset.doctor_first = true "
@@ -72,59 +72,60 @@ class DoctorBesideMixin:
             DOCTOR_START_CAP_S,
         )
 
-    def _doctor_when_started(self, *, status_seen: bool, since_launch_s: float) -> None:
+    def when_started(self, *, status_seen: bool, since_launch_s: float) -> None:
         """Start a queued doctor once the trainer wrote its first status.json (its imports are
         done) or has had :data:`DOCTOR_START_CAP_S` to."""
-        if self._doctor_due and (status_seen or since_launch_s >= DOCTOR_START_CAP_S):
-            self._start_doctor(self._doctor_report)
+        if self.due and (status_seen or since_launch_s >= DOCTOR_START_CAP_S):
+            self.start(self.report)
 
-    def _start_doctor(self, report: dict[str, Any] | None) -> None:
-        self._doctor_due, self._doctor_report = False, None
+    def start(self, report: dict[str, Any] | None) -> None:
+        self.due, self.report = False, None
         procs: list[subprocess.Popen[str]] = []
-        self._doctor_procs = procs
-        self._doctor = asyncio.create_task(
-            staging.check_data(self.job, report, doctor=True, started=procs.append),
+        self.procs = procs
+        self.task = asyncio.create_task(
+            staging.check_data(self.ctx.job, report, doctor=True, started=procs.append),
             name="doctor",
         )
         log.info("libreyolo doctor started beside the trainer")
 
-    def _doctor_waiter(self) -> asyncio.Future[Any] | None:
+    def waiter(self) -> asyncio.Future[Any] | None:
         """A future done when the doctor is (cancelling it leaves the doctor running)."""
-        task = self._doctor
+        task = self.task
         if task is None or task.done():
             return None
         return asyncio.ensure_future(asyncio.wait({task}))
 
-    def _doctor_verdict(self) -> str | None:
+    def verdict(self) -> str | None:
         """Once the doctor is done: the cause to stop the job for (its errors), or None (it
         passed, could not run, or is still running). Reads the verdict once."""
-        task = self._doctor
+        task = self.task
         if task is None or not task.done():
             return None
-        self._doctor = None
+        self.task = None
         if task.cancelled():
             return None
+        ctx = self.ctx
         exc = task.exception()
         if exc is not None:
             message = f"the dataset doctor could not run: {type(exc).__name__}: {exc}"
             log.error("%s; training goes on unchecked", message)
-            self.events.publish("warning", message=message)
+            ctx.events.publish("warning", message=message)
             return None
         outcome = task.result()
         if outcome.report is not None:
-            self.staging_report = outcome.report
-            self.store.write_report("staging.json", outcome.report)
+            ctx.staging_report = outcome.report
+            ctx.store.write_report("staging.json", outcome.report)
         if outcome.ok:
             return None
-        self.events.publish("warning", message=outcome.cause or "dataset check failed")
+        ctx.events.publish("warning", message=outcome.cause or "dataset check failed")
         return outcome.cause or "dataset check failed"
 
-    async def _doctor_after_exit(self) -> str | None:
+    async def after_exit(self) -> str | None:
         """The trainer exited with an error while the doctor ran (or before it started): its
         verdict explains it."""
-        if self._doctor_due:
-            self._start_doctor(self._doctor_report)
-        task = self._doctor
+        if self.due:
+            self.start(self.report)
+        task = self.task
         if task is None:
             return None
         if not task.done():
@@ -135,15 +136,15 @@ class DoctorBesideMixin:
             )
             await asyncio.wait({task}, timeout=DOCTOR_AFTER_EXIT_S)
         if not task.done():
-            self._stop_doctor()
+            self.stop()
             return None
-        return self._doctor_verdict()
+        return self.verdict()
 
-    def _stop_doctor(self) -> None:
+    def stop(self) -> None:
         """Kill a doctor still running (its process group); its verdict no longer matters."""
-        self._doctor_due, self._doctor_report = False, None
-        for proc in getattr(self, "_doctor_procs", []):
+        self.due, self.report = False, None
+        for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-        self._doctor = None
+        self.task = None

@@ -27,6 +27,8 @@ class Flags:
     #: A preemption notice (cloud metadata, or a SIGTERM the job declared one): save last.pt at
     #: once and stop the trainer cleanly; the next boot resumes.
     preempt: asyncio.Event = field(default_factory=asyncio.Event)
+    #: ``libreyolo-agent release`` (or a stop in HELD): a HELD box goes on to its teardown.
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def install(flags: Flags, *, on_preempt: Callable[[], None] | None = None) -> None:

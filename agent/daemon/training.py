@@ -5,12 +5,14 @@ One turn of the loop wakes on an event (a file change in the run dir, the traine
 request, a notice) or on the poll interval. Each turn reads the run dir, feeds new epochs to the
 sync policy, and checks, in order: a stop request, a preemption notice, a GPU fault, the stall
 verdict (:mod:`agent.watch.progress`), the disk (:mod:`agent.watch.disk`), then the deadline and
-budget
-with the final sync's reserve kept (:mod:`agent.policy.limits`). When the trainer has ended without
-a clean end, :mod:`agent.policy.resume` decides whether it goes on from its ``last.pt``.
+budget with the final sync's reserve kept (:mod:`agent.policy.limits`). When the trainer has
+ended without a clean end, :mod:`agent.policy.resume` decides whether it goes on from its
+``last.pt``.
 
-This is a part of :class:`agent.daemon.spine.Daemon` (a mixin, so the orchestrator stays readable):
-it uses the daemon's state, store, sync engine and flags, and never imports the daemon.
+One :class:`Training` per run: it owns what only this phase needs (the followed trainer's exit,
+its outcome, the turn count, the budget warner); what the other phases read (the state, the run
+directory, the last status, a box fault) is on the run context. Launching and resuming are
+:mod:`agent.daemon.relaunch`'s.
 """
 
 from __future__ import annotations
@@ -18,32 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.config.model import Env, Job, LimitsSection
-from agent.daemon.doctor import DoctorBesideMixin
-from agent.daemon.relaunch import AlreadyDone, RelaunchMixin
-from agent.daemon.signals import Flags
-from agent.daemon.sizingrun import SizingMixin
-from agent.events import EventBus
-from agent.gpu.health import GpuMonitor
+from agent.daemon.context import RunContext
+from agent.daemon.doctor import DoctorBeside
+from agent.daemon.relaunch import launch, resume_or_not
+from agent.daemon.sizingrun import SizingRun
 from agent.policy.limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
-from agent.state import Reason, RunState, StateStore
-from agent.sync.engine import SyncEngine
+from agent.state import Reason
 from agent.trainer.exitwait import unless_exited
-from agent.trainer.process import (
-    Launcher,
-    Outcome,
-    OutcomeKind,
-    TrainerError,
-    TrainerProcess,
-    classify,
-    read_result,
-    start_once,
-)
+from agent.trainer.process import Outcome, OutcomeKind, classify, read_result
 from agent.trainer.rundir import (
     RunStatus,
     find_dead_run_dir,
@@ -51,7 +40,6 @@ from agent.trainer.rundir import (
     read_status,
     run_dir_from_result,
 )
-from agent.util.text import os_error
 from agent.util.watch import RunWatcher
 from agent.watch import disk as diskwatch
 from agent.watch.preemption import Notice, PreemptionWatcher, detect
@@ -69,53 +57,68 @@ PREEMPT_UPLOAD_S = 120.0
 
 
 class Training:
-    PLACEHOLDER_INIT
+    """The TRAINING phase of one run (:meth:`run`), resumes included."""
+
+    def __init__(self, ctx: RunContext, doctor: DoctorBeside, sizing: SizingRun) -> None:
+        self.ctx = ctx
+        self.doctor = doctor
+        self.sizing = sizing
+        #: Turns of the loop (each a wake-up: an event, a file change or the poll).
+        self.loop_turns = 0
+        #: The wait for the followed trainer's exit, while it is followed (:meth:`_observed`).
+        self.exit_task: asyncio.Future[Any] | None = None
+        #: The last trainer's exit code and outcome (None: none ran, or the launch failed).
+        self.exit_code: int | None = None
+        self.outcome: Outcome | None = None
+        #: The trainer said completed and did not exit: it was killed, the run counts as done.
+        self.hung_at_exit = False
+        self.budget = BudgetWarner()
 
     # ------------------------------------------------------------------ the phase
 
-    async def _training(self) -> Reason | None:
+    async def run(self) -> Reason | None:
         """Supervise until the training ends for good: resumes included. Returns the reason it
         ended, or None when the agent itself is exiting (the trainer, if any, goes on)."""
+        ctx = self.ctx
         self._start_watchers()
         while True:
-            stop_reason = await self._supervise_once()
-            if stop_reason is _EXITING:
+            followed = await self._supervise_once()
+            if isinstance(followed, _Exiting):
                 return None
-            if stop_reason is _LAUNCH_FAILED:
+            if isinstance(followed, LaunchFailed):
                 # Nothing ran: a target that holds the finished run (completed), or a launch
                 # that could not start (training_failed); the cause is already set.
-                return self.reason_hint or Reason.TRAINING_FAILED
+                return followed.reason
+            stop_reason = followed
             if stop_reason is None and self.exit_code != 0:
                 bad_data = await self.doctor.after_exit()
                 if bad_data is not None:
                     ctx.breach_message = bad_data
                     stop_reason = Reason.PREFLIGHT_FAILED
-            assert isinstance(stop_reason, Reason) or stop_reason is None
             reason = self._classify_and_reason(self.exit_code, stop_reason)
             if reason == Reason.PREEMPTED:
                 if not await self._after_preemption():
                     return None
             elif reason != Reason.TRAINING_FAILED and reason != Reason.STALLED:
                 return reason
-            self.reason_hint = None
-            resumed = await self._resume_or_not(stop_reason)
-            if resumed is None:
+            relaunch = await resume_or_not(ctx, self.outcome, stop_reason)
+            if relaunch.resumed is None:
                 return None  # the agent is exiting; state.json still holds the dead trainer
-            if not resumed:
-                return self.reason_hint or reason
+            if not relaunch.resumed:
+                return relaunch.reason or reason
 
     # ------------------------------------------------------------------ one trainer
 
-    async def _supervise_once(self) -> Reason | object | None:
+    async def _supervise_once(self) -> Reason | LaunchFailed | _Exiting | None:
         """Follow one trainer to its end. Returns the agent's own stop reason (None when the
-        trainer ended by itself), or ``_EXITING`` when the agent is exiting."""
-        assert ctx.flags is not None
+        trainer ended by itself), ``_EXITING`` when the agent is exiting, or why the launch
+        failed."""
+        ctx = self.ctx
         flags = ctx.flags
         self.exit_code = None
         launched_at = ctx.clock()
-        self._last_progress_at = launched_at
         if ctx.trainer is not None and ctx.trainer.record is ctx.state.trainer:
-            # Launched by this agent (a resume, in _resume_or_not): follow it as our child.
+            # Launched by this agent (a resume, in relaunch.resume_or_not): follow it as our child.
             # Re-attaching would lose its exit code and leave it a zombie nobody reaps.
             launched_at = ctx.state.trainer.started_at
         elif ctx.state.trainer is not None:
@@ -133,11 +136,10 @@ class Training:
                     ctx.status = read_status(ctx.run_dir) or ctx.status
                 return None
         else:
-            failed = await self._launch_or_adopt()
+            failed = await launch(ctx)
             if failed is not None:
-                self.reason_hint = failed
                 self.outcome = None
-                return _LAUNCH_FAILED
+                return LaunchFailed(failed)
             assert ctx.state.trainer is not None
             launched_at = ctx.state.trainer.started_at
         trainer = ctx.trainer
@@ -207,7 +209,7 @@ class Training:
         changed: asyncio.Event,
         stop_task: asyncio.Future[str] | None,
     ) -> None:
-        assert ctx.flags is not None
+        ctx = self.ctx
         flags = ctx.flags
         # Only events that have not fired yet: a set Event's wait() returns at once, and waiting
         # on it would spin this loop until the trainer is gone.
@@ -233,7 +235,7 @@ class Training:
 
     async def _check_turn(self) -> Reason | None:
         """The first reason to stop the trainer this turn, in order of urgency; None: go on."""
-        assert ctx.flags is not None
+        ctx = self.ctx
         if ctx.flags.stop_job.is_set():
             return Reason.STOPPED_BY_USER
         if ctx.flags.preempt.is_set():
@@ -282,7 +284,7 @@ class Training:
             ctx.breach_message = wrong_box
             log.error("%s: stopping the trainer", wrong_box)
             return Reason.PREFLIGHT_FAILED
-        reserve = self._reserve_s()
+        reserve = reserve_s(ctx)
         cfg = ctx.limits()
         now = ctx.clock()
         breach = check_limits(
@@ -318,6 +320,7 @@ class Training:
     def _late_faults(self, read: asyncio.Future[list[Any]]) -> None:
         """The GPU health read the trainer's clean exit did not wait for: a fault it found is
         still recorded (the teardown record says the box is bad)."""
+        ctx = self.ctx
         if read.cancelled() or read.exception() is not None:
             return
         faults = read.result()
@@ -327,6 +330,7 @@ class Training:
             ctx.events.publish("warning", message=f"GPU fault: {ctx.box_fault}")
 
     async def _observe_progress(self, progress: ProgressTracker) -> bool:
+        ctx = self.ctx
         await asyncio.to_thread(
             progress.observe,
             status=ctx.status,
@@ -337,36 +341,21 @@ class Training:
         return True
 
     def _log_paths(self) -> list[Path]:
+        ctx = self.ctx
         paths = [ctx.store.path("trainer.log")]
         if ctx.run_dir is not None:
             paths.append(ctx.run_dir / "train.log")
         return paths
 
-    def _reserve_s(self) -> float:
-        """Time to keep before a deadline for the final sync (agent/policy/limits.py); none without
-        a sync target (nothing to get off the box)."""
-        if ctx.sync is None:
-            return 0.0
-        final = 0
-        if ctx.run_dir is not None:
-            for name in ("last.pt", "best.pt"):
-                with contextlib.suppress(OSError):
-                    final += (ctx.run_dir / "weights" / name).stat().st_size
-        uploads = ctx.sync.uploads if ctx.sync is not None else None
-        return finish_reserve_s(
-            ctx.limits(),
-            upload_bytes_per_s=uploads.bytes_per_s if uploads else None,
-            final_bytes=final,
-            pending_bytes=uploads.pending_bytes if uploads else 0,
-        )
-
     async def _save_now(self) -> None:
+        ctx = self.ctx
         if ctx.sync is not None and ctx.run_dir is not None:
             epoch = ctx.status.completed_epochs if ctx.status else None
             await ctx.sync.save_now(ctx.run_dir, epoch)
 
     async def _check_disk(self) -> str | None:
         """After an epoch: make room for the next checkpoint, or say why the run must stop."""
+        ctx = self.ctx
         if ctx.run_dir is None:
             return None
         sync = ctx.sync
@@ -383,7 +372,7 @@ class Training:
         """The trainer was stopped after a notice: get ``last.pt`` off the box, record the
         preemption (the next boot resumes), then wait for the box to go. True: the box survived
         the notice, resume here; False: the agent exits (SIGTERM notice, or asked to)."""
-        assert ctx.flags is not None
+        ctx = self.ctx
         notice = ctx.notice
         ctx.state.preempted = {
             "at": ctx.clock(),
@@ -408,7 +397,7 @@ class Training:
             return False
         wait = PREEMPT_SURVIVAL_S
         if notice.action_at is not None:
-            wait = max(wait, notice.action_at - time.time() + 120.0)
+            wait = max(wait, notice.action_at - ctx.clock() + 120.0)
         log.warning("preempted: waiting up to %.0fs for the box to go", wait)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ctx.flags.shutdown.wait(), wait)
@@ -421,6 +410,7 @@ class Training:
 
     def _start_watchers(self) -> None:
         """Preemption watchers (AWS/GCP metadata) for the job's lifetime on this box."""
+        ctx = self.ctx
         if ctx.watcher is not None:
             return
         sources = detect(ctx.job.preemption)
@@ -428,7 +418,6 @@ class Training:
             return
 
         def on_notice(notice: Notice) -> None:
-            assert ctx.flags is not None
             ctx.notice = notice
             ctx.flags.preempt.set()
 
@@ -443,6 +432,7 @@ class Training:
     def _find_dead_run_dir(self) -> None:
         """The trainer died with the previous agent: its run dir from the state file, else by
         the pid its status.json names, else from its json result."""
+        ctx = self.ctx
         rec = ctx.state.trainer
         if ctx.run_dir is not None or rec is None:
             return
@@ -454,6 +444,7 @@ class Training:
             ctx.save()
 
     async def _stop_trainer(self) -> str:
+        ctx = self.ctx
         assert ctx.trainer is not None
         sent = await ctx.trainer.stop(
             stop_grace_s=ctx.job.train.stop_grace_s, kill_grace_s=ctx.job.train.kill_grace_s
@@ -462,6 +453,7 @@ class Training:
         return sent
 
     def _classify_and_reason(self, exit_code: int | None, stop_reason: Reason | None) -> Reason:
+        ctx = self.ctx
         result = read_result(ctx.store.path("trainer-result.json"))
         if ctx.run_dir is None and ctx.state.trainer is not None:
             ctx.run_dir = run_dir_from_result(result)
@@ -483,6 +475,7 @@ class Training:
 
     async def _follow(self, launched_at: float) -> None:
         """Read the run dir (found by pid) and feed new epochs to the sync policy."""
+        ctx = self.ctx
         self.doctor.when_started(status_seen=False, since_launch_s=ctx.clock() - launched_at)
         if ctx.run_dir is None and ctx.trainer is not None:
             ctx.run_dir = find_run_dir(
@@ -504,7 +497,6 @@ class Training:
         previous = ctx.status
         ctx.status = status
         if previous is None or status.completed_epochs != previous.completed_epochs:
-            self._last_progress_at = ctx.clock()
             if previous is not None:
                 ctx.state.crashes.clear()  # an epoch went by: whatever crashed was survivable
             if status.completed_epochs == 0:
@@ -528,6 +520,7 @@ class Training:
             ctx.save()
 
     def _publish_epoch(self, status: RunStatus, previous: RunStatus | None) -> None:
+        ctx = self.ctx
         raw = status.raw
         metric_name = raw.get("current_metric_name") or raw.get("best_metric_name")
         ctx.events.publish(
@@ -550,6 +543,35 @@ class Training:
             )
 
 
-#: ``_supervise_once`` results that are not a stop reason.
-_EXITING = object()
-_LAUNCH_FAILED = object()
+def reserve_s(ctx: RunContext) -> float:
+    """Time to keep before a deadline for the final sync (agent/policy/limits.py); none without
+    a sync target (nothing to get off the box)."""
+    if ctx.sync is None:
+        return 0.0
+    final = 0
+    if ctx.run_dir is not None:
+        for name in ("last.pt", "best.pt"):
+            with contextlib.suppress(OSError):
+                final += (ctx.run_dir / "weights" / name).stat().st_size
+    uploads = ctx.sync.uploads if ctx.sync is not None else None
+    return finish_reserve_s(
+        ctx.limits(),
+        upload_bytes_per_s=uploads.bytes_per_s if uploads else None,
+        final_bytes=final,
+        pending_bytes=uploads.pending_bytes if uploads else 0,
+    )
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    """``_supervise_once``: no trainer ran; the run's reason (completed: the target holds the
+    finished run; training_failed: it could not start)."""
+
+    reason: Reason
+
+
+class _Exiting:
+    """``_supervise_once``: the agent is exiting and the trainer goes on."""
+
+
+_EXITING = _Exiting()
