@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from agent.config.jobfile import (
     MAX_JOB_FILE_BYTES,
-    check_train_options,
     job_from_dict,
     load_job,
     parse_job,
@@ -40,6 +39,7 @@ from agent.config.model import (
     TrainSection,
     parse_duration,
 )
+from agent.config.train import check_train_options
 from agent.install.libreyolo import TrainOptions, installed_train_options
 from agent.trainer.process import build_argv
 

@@ -1,8 +1,8 @@
 """The job file (TOML) read and checked into a :class:`~agent.config.model.Job`: ``load_job`` (a
-path),
-``parse_job`` (TOML text), ``job_from_dict`` (a parsed document), a ``_load_*`` function for
-the sections that need more than a table of values, and the checks across sections (budget and
-price, provider and stop actions).
+path), ``parse_job`` (TOML text), ``job_from_dict`` (a parsed document), a ``_load_*`` function
+for the sections that need more than a table of values, and the checks across sections (budget
+and price, provider and stop actions). The ``[train]`` table, LibreYOLO's own options, is read
+by :mod:`agent.config.train`.
 
 Every error names the key, the value and what was expected, so that ``libreyolo-agent check``
 can print one line per mistake and exit 2; every mistake of a file is reported at once
@@ -14,10 +14,7 @@ silently ignored on a box that bills by the hour. The checks of single values li
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,9 +33,7 @@ from agent.config.jobvalues import (
     check_sync_target,
     huge_integer_problem,
     instance_id_problem,
-    parse_duration,
     parse_listen,
-    refuse_unprintable,
     repo_id_problem,
     show,
 )
@@ -60,26 +55,15 @@ from agent.config.model import (
     SyncSection,
     TeardownAction,
     TeardownSection,
-    TrainSection,
-    TrainValue,
     as_action,
 )
+from agent.config.train import check_train_options, load_train
 from agent.install.libreyolo import TrainOptions, installed_train_options
 
 #: A job file is a few hundred bytes; refuse to read a huge one (or /dev/zero) into memory.
 MAX_JOB_FILE_BYTES = 1 << 20
-#: ``[train]`` keys the agent sets itself; a job may not set them.
-RESERVED_TRAIN_KEYS = frozenset({"project", "name", "json"})
-#: ``[train]`` keys whose relative values name files beside the job file.
-_PATH_TRAIN_KEYS = frozenset({"data", "model"})
 #: ``[dataset]`` keys that stage a Hub dataset; without any of them the table only sets checks.
 _STAGING_KEYS = ("repo", "file", "revision", "dest", "data_yaml")
-#: LibreYOLO train options that end the command without training: the agent would read the
-#: exit as a finished run and tear the box down with nothing trained.
-_NON_TRAINING_KEYS = {
-    "dry_run": "validates the options and exits without training",
-    "help_json": "prints the option list and exits without training",
-}
 _PROVIDERS: tuple[ProviderName, ...] = get_args(ProviderName)
 #: What each API provider appends to ``teardown.api_url``.
 _API_PATHS = {"vast": "/api/v0", "runpod": "/v2", "lambda": "/api/v1"}
@@ -227,7 +211,7 @@ def job_from_dict(
             t.used.update(_STAGING_KEYS)  # listed as expected keys in an unknown key's message
         t.finish()
 
-    train = _load_train(doc.get("train"), dataset, base, errors)
+    train = load_train(doc.get("train"), dataset, base, errors)
     if train_options is not None:
         with errors.catch():
             check_train_options(train, train_options)
@@ -564,109 +548,3 @@ def _load_staging(
         doctor=data_check.doctor,
         data_yaml=data_yaml,
     )
-
-
-def _load_train(
-    raw: object, dataset: DatasetSection | None, base: Path, errors: ErrorList
-) -> TrainSection:
-    defaults = TrainSection()
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        errors.add(ConfigError("train", f"{show(raw)} must be a table ([train])"))
-        return defaults
-    args: list[tuple[str, TrainValue]] = []
-    stop_grace = defaults.stop_grace_s
-    kill_grace = defaults.kill_grace_s
-    for k, v in raw.items():
-        key = f"train.{k}"
-        if k in ("stop_grace", "kill_grace"):
-            with errors.catch():
-                seconds = parse_duration(key, v)
-                if k == "stop_grace":
-                    stop_grace = seconds
-                else:
-                    kill_grace = seconds
-            continue
-        if k in RESERVED_TRAIN_KEYS:
-            errors.add(
-                ConfigError(
-                    key,
-                    "is set by the agent; use job.name / job.runs_dir instead"
-                    if k != "json"
-                    else "is set by the agent (it always reads LibreYOLO's json result)",
-                )
-            )
-        elif k in _NON_TRAINING_KEYS:
-            errors.add(
-                ConfigError(
-                    key, f"{_NON_TRAINING_KEYS[k]}; the agent would read that as a finished run"
-                )
-            )
-        elif not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-            errors.add(ConfigError(key, "is not a valid LibreYOLO option name"))
-        elif isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
-            if isinstance(v, str):
-                try:
-                    refuse_unprintable(key, v, lax=True)
-                except ConfigError as exc:
-                    errors.add(exc)
-                    continue
-            if k in _PATH_TRAIN_KEYS and isinstance(v, str) and not Path(v).is_absolute():
-                # The trainer runs in runs_dir: a file beside the job file is made absolute,
-                # while names LibreYOLO resolves itself ("coco8.yaml", "yolox-n") stay as given.
-                with contextlib.suppress(OSError, RuntimeError, ValueError):
-                    if (base / v).exists():
-                        v = str(base / v)
-            args.append((k, v))
-        else:
-            errors.add(ConfigError(key, f"{show(v)} must be a string, number or boolean"))
-    if not any(k == "data" for k, _ in args) and not errors.named("train.data"):
-        if dataset is not None and dataset.data_yaml is not None:
-            args.append(("data", str(dataset.dest / dataset.data_yaml)))
-        elif not errors.named("dataset", "dataset.data_yaml"):
-            errors.add(
-                ConfigError(
-                    "train.data",
-                    "is required (the dataset YAML), or set dataset.data_yaml to take it from "
-                    "the staged dataset",
-                )
-            )
-    section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
-    epochs = section.get("epochs")
-    if epochs is not None and (
-        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
-    ):
-        errors.add(ConfigError("train.epochs", f"{show(epochs)} must be an integer >= 1"))
-    return section
-
-
-def check_train_options(train: TrainSection, options: TrainOptions) -> None:
-    """Refuse every ``[train]`` key that the installed LibreYOLO's ``train`` command does not
-    have, naming the closest valid ones, and every value its option's type refuses (one
-    :class:`ConfigError`, or :class:`ConfigErrors` for several); nothing to check (no error)
-    when ``options`` are unknown, e.g. an agent-only install. The agent's own
-    ``stop_grace``/``kill_grace`` never get here."""
-    if not options.available:
-        return
-    errors = ErrorList()
-    for k, v in train.args:
-        if k in options.names:
-            problem = options.value_problem(k, v)
-            if problem is not None:
-                errors.add(ConfigError(f"train.{k}", problem))
-            continue
-        close = options.close_matches(k)
-        hint = (
-            f"did you mean {' or '.join(close)}?"
-            if close
-            else "`libreyolo train --help` lists them"
-        )
-        errors.add(
-            ConfigError(
-                f"train.{k}",
-                f"unknown option (value {show(v)}): `libreyolo train` of {options.label} has no "
-                f"{k!r}; {hint}",
-            )
-        )
-    errors.raise_if_any()
