@@ -15,10 +15,24 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_XET"] = "1"
 
 
+#: The per-test cap of a test that trains for real (``@pytest.mark.training``), unless it names
+#: its own: a real ``libreyolo train`` on a loaded 2-core machine takes minutes where it takes
+#: seconds idle. A cap only for a hang; every wait inside waits on a state.
+TRAINING_TIMEOUT_S = 900
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A leftover is killed and reported as a warning; the project's "error" filter would turn
     # the report into a teardown error of a test that may well have passed (appended: it wins).
     config.addinivalue_line("filterwarnings", "default::tests.leftovers.LeftoverProcessWarning")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pyproject's `timeout` (180 s) is sized for tests that do not train; the training ones get
+    # a cap of their own, so their verdict never depends on the machine's load.
+    for item in items:
+        if item.get_closest_marker("training") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(TRAINING_TIMEOUT_S))
 
 
 @pytest.fixture(autouse=True)

@@ -287,7 +287,7 @@ def test_a_hung_hub_times_out_within_the_configured_seconds(
     started = time.monotonic()
     exc = raised(lambda: hub.api(env(fake)).whoami())
     elapsed = time.monotonic() - started
-    assert short_timeouts <= elapsed < short_timeouts + 2.0
+    assert short_timeouts <= elapsed < 8.0  # the client's timeout, not the Hub's 10 s
     assert isinstance(exc, hub.hub_http.ReadTimeout)
     failure = hub.classify(exc, token=GOOD)
     assert (failure.kind, failure.retryable) == ("unreachable", True)
@@ -311,7 +311,8 @@ def _child(script: str, *, unset: tuple[str, ...] = (), **environ: str) -> dict[
 
 _PREFLIGHT_LIKE = """
     import json, sys, time
-    from agent import dataset, hub
+    from agent import hub
+    from agent.data import dataset  # the staging code loaded, as in preflight
     from agent.config.model import Env
     from tests.fakes.hub import run_fake_hub
 
@@ -337,7 +338,8 @@ def test_configure_alone_bounds_a_preflight_call_without_any_sink() -> None:
     result = _child(_PREFLIGHT_LIKE)
     assert result["sink_imported"] is False
     assert result["kind"] == "unreachable"
-    assert isinstance(result["elapsed"], float) and result["elapsed"] < 2.5
+    # The 0.5 s timeout, not the Hub's 10 s silence (a loaded machine adds seconds, not ten).
+    assert isinstance(result["elapsed"], float) and result["elapsed"] < 8.0
 
 
 def test_configure_keeps_the_librarys_offline_guard() -> None:

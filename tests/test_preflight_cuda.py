@@ -50,6 +50,13 @@ def test_arch_support_follows_cuda_compatibility_rules(
     assert text in got_text
 
 
+#: Past the probe's own timeout, what a loaded machine may add (a Python start-up, a kill and a
+#: reap); the stand-in's hangs last an hour, so "within the timeout" still tells them apart.
+#: The hang tests' timeouts (5-15 s) leave a loaded machine the time to reach the hung stage
+#: (with 2 s, a slow start-up was still in "import torch" when the timeout fired).
+SLACK_S = 60.0
+
+
 def test_driver_cuda_compat_pass_warn_fail() -> None:
     assert pf.evaluate_cuda_compat("12.4", "12.1").status == PASS  # type: ignore[union-attr]
     minor = pf.evaluate_cuda_compat("12.2", "12.8")
@@ -206,14 +213,14 @@ def test_hung_gpu_fails_within_the_timeout_and_is_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pid_file = tmp_path / "pids"
-    job = make_job(tmp_path, preflight={"timeout": 2})
+    job = make_job(tmp_path, preflight={"timeout": 10})
     scenario = {"devices": [{**H100, "matmul": "hang"}], "pid_file": str(pid_file)}
     t0 = time.monotonic()
     report = run(monkeypatch, job, make_env(tmp_path), scenario)
-    assert time.monotonic() - t0 < 2 + 3
+    assert time.monotonic() - t0 < 10 + SLACK_S  # not the hang's hour
     probe = check(report, "probe")
     assert probe.status == FAIL
-    assert probe.value == "no answer within 2 s (hung at gpu0.matmul); killed"
+    assert probe.value == "no answer within 10 s (hung at gpu0.matmul); killed"
     assert probe.fix is not None and "Xid" in probe.fix
     assert [c.name for c in report.failures()] == ["probe"]
     assert_gone(pid_file)
@@ -222,11 +229,11 @@ def test_hung_gpu_fails_within_the_timeout_and_is_killed(
 def test_hung_torch_import_fails_within_the_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = make_job(tmp_path, preflight={"timeout": 1.5})
+    job = make_job(tmp_path, preflight={"timeout": 5})
     report = run(monkeypatch, job, make_env(tmp_path), {"import": "hang"})
     probe = check(report, "probe")
     assert probe.status == FAIL and "(hung at import torch)" in probe.value
-    assert report.wall_s < 1.5 + 3
+    assert report.wall_s < 5 + SLACK_S
 
 
 def test_two_gpus_all_reduce_through_nccl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,10 +254,10 @@ def test_hung_nccl_is_reported_within_the_timeout(
 ) -> None:
     pid_file = tmp_path / "pids"
     scenario = {"devices": [H100, H100], "nccl": "hang", "pid_file": str(pid_file)}
-    job = with_devices(make_job(tmp_path, preflight={"timeout": 4}), "0,1")
+    job = with_devices(make_job(tmp_path, preflight={"timeout": 15}), "0,1")
     t0 = time.monotonic()
     report = run(monkeypatch, job, make_env(tmp_path), scenario)
-    assert time.monotonic() - t0 < 4 + 2
+    assert time.monotonic() - t0 < 15 + SLACK_S
     assert check(report, "probe").status == PASS  # the probe itself gave up on NCCL in time
     nccl = check(report, "nccl")
     assert nccl.status == FAIL and "hung" in nccl.value

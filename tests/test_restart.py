@@ -29,7 +29,7 @@ from agent.daemon.spine import Daemon
 from agent.policy.restart import MAX_CRASHES
 from agent.sinks.digests import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
-from tests.support import tiny_job, wait_for
+from tests.support import HANG_S, tiny_job, wait_for
 from tests.test_daemon import (
     Probe,
     dataset,
@@ -86,7 +86,7 @@ def agent_env(state_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def run_agent(
-    job: Path, state_dir: Path, timeout: float = 170, **extra: str
+    job: Path, state_dir: Path, timeout: float = HANG_S, **extra: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", "run", str(job)],
