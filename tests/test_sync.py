@@ -22,7 +22,9 @@ from agent.config.model import SyncSection
 from agent.sinks import RemoteFile, SinkError
 from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync.engine import Item, ItemKind, SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind
+from agent.sync.uploads import Item
 from agent.trainer.rundir import read_status
 from tests.fakes.scripted_trainer import write_checkpoint
 

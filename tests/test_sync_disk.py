@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from agent.sinks.digests import sha256_file
-from agent.sync.engine import ItemKind, Ledger, SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind, Ledger
 from agent.trainer.rundir import read_status
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, make_run, running, sync_cfg, until, write_epoch

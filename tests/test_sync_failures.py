@@ -21,7 +21,8 @@ import pytest
 
 from agent.sinks.digests import sha256_file
 from agent.sinks.local import LocalSink
-from agent.sync.engine import ItemKind, Ledger, SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind, Ledger
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, until
 
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.sync.engine import ItemKind, SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind
 from agent.trainer.rundir import read_status
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, make_run, running, sync_cfg, until

@@ -11,7 +11,9 @@ from typing import Any
 
 from agent.sinks import RemoteFile
 from agent.sinks.digests import sha256_file
-from agent.sync.engine import Item, ItemKind, SyncEngine
+from agent.sync.engine import SyncEngine
+from agent.sync.ledger import ItemKind
+from agent.sync.uploads import Item
 from tests.fakes.scripted_trainer import write_checkpoint
 from tests.test_sync import FaultySink, make_item, running, sync_cfg, upload_all
 

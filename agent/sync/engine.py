@@ -1,9 +1,9 @@
 """Getting checkpoints off the box: the sync engine. It decides what to send when (the milestone
-policy), re-queues at start-up what a killed agent promised, verifies the target at the end and
-reports all of it for ``/status``. The parts live beside it: ``snapshots.py`` (stable copies of
-the files LibreYOLO rewrites in place, made while they are written by ``follow.py``),
-``syncverify.py`` (the read-back of everything at the end), ``uploads.py`` (the queue:
-timeouts, backoff, read-back), ``ledger.py`` (what the target must hold, persisted) and
+policy), re-queues at start-up what a killed agent promised (``recover.py``), verifies the target
+at the end and reports all of it for ``/status``. The parts live beside it: ``snapshots.py``
+(stable copies of the files LibreYOLO rewrites in place, made while they are written by
+``follow.py``), ``verify.py`` (the read-back of everything at the end), ``uploads.py`` (the
+queue: timeouts, backoff, read-back), ``ledger.py`` (what the target must hold, persisted) and
 ``sinks/`` (the targets).
 
 Consistency rule (DESIGN.md): LibreYOLO writes checkpoints in place, before that epoch's
@@ -20,46 +20,30 @@ import asyncio
 import errno
 import logging
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from agent.config.model import SyncSection
 from agent.sinks import Sink
 from agent.sinks.digests import DIGESTS
 from agent.state import atomic_write_json
 from agent.sync.follow import CheckpointFollower
-from agent.sync.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus, sorted_entries
+from agent.sync.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus
+from agent.sync.recover import requeue_owed, source_of
 from agent.sync.redactlog import as_sent
 from agent.sync.snapshots import (
     Snapshot,
     Snapshotter,
-    find_leftover,
     has_content,
-    live_snapshot,
     unlink_quietly,
 )
-from agent.sync.uploads import Item, Throttle, UploadQueue
-from agent.sync.verify import VerifyResult, verify_target
+from agent.sync.uploads import Item, Queued, Throttle, UploadQueue
+from agent.sync.verify import VerifyResult, log_result, verify_target
 from agent.trainer.rundir import SMALL_FILES, RunStatus, epoch_snapshots, is_epoch_file
 from agent.util.crashpoints import crashpoint
 from agent.util.text import os_error
-
-__all__ = [
-    "AGENT_FILES",
-    "Item",
-    "ItemKind",
-    "Ledger",
-    "LedgerEntry",
-    "LedgerStatus",
-    "Snapshot",
-    "Snapshotter",
-    "SyncEngine",
-    "VerifyResult",
-    "live_snapshot",
-]
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +68,6 @@ LEDGER_RETRY_S = 5.0
 STALLED_AFTER_S = 120.0
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-_AT_EXIT = re.compile(r"(last|best)\.at-exit\.pt")
-
-#: What became of one file the milestone policy asked for.
-Queued = Literal["queued", "unchanged", "unavailable"]
 
 
 class SyncEngine:
@@ -190,10 +170,11 @@ class SyncEngine:
         question, from its thread): only those are copied while written."""
         if name == "best.pt" or is_epoch_file(name):
             return True
-        n, total = self.last_epoch_seen + 1, self._total_epochs
-        return name == "last.pt" and (
-            n % self.cfg.every_epochs == 0 or (total is not None and n >= total)
-        )
+        return name == "last.pt" and self._milestone(self.last_epoch_seen + 1, self._total_epochs)
+
+    def _milestone(self, n: int, total: int | None) -> bool:
+        """Whether epoch ``n`` of ``total`` sends ``last.pt``: every Nth, and the last."""
+        return n % self.cfg.every_epochs == 0 or (total is not None and n >= total)
 
     async def on_epoch(
         self, run_dir: Path, status: RunStatus, *, extra_files: Iterable[Path] = ()
@@ -217,8 +198,7 @@ class SyncEngine:
         async with self._files:
             weights = run_dir / "weights"
             queued = 0
-            total = status.total_epochs
-            if n % self.cfg.every_epochs == 0 or (total is not None and n >= total):
+            if self._milestone(n, status.total_epochs):
                 outcome = await self._queue_file(
                     weights / "last.pt", "weights/last.pt", n, ItemKind.LAST
                 )
@@ -457,72 +437,36 @@ class SyncEngine:
 
     async def recover(self, run_dir: Path | None) -> int:
         """At start-up, before the first milestone: re-queue what a previous agent promised
-        but never verified, then delete the snapshot files nothing needs any more.
-
-        Each unverified ledger entry is queued from its leftover snapshot when one still has the
-        expected sha256, else from a fresh snapshot of its source (a newer version supersedes
-        the promise). An entry whose snapshot and source are both gone stays pending, is
-        logged and listed in ``status()["sources_gone"]``; verification reports it. Returns
-        how many items were queued."""
+        but never verified (:func:`~agent.sync.recover.requeue_owed`), then delete the snapshot
+        files nothing needs any more. An entry whose snapshot and source are both gone stays
+        pending, is logged and listed in ``status()["sources_gone"]``; verification reports
+        it. Returns how many items were queued."""
         async with self._files:
-            leftovers = await asyncio.to_thread(self.snapshots.files)
-            used: set[Path] = set()
-            queued = 0
-            for entry in sorted_entries(list(self.ledger.entries.values())):
-                path = entry.remote_path
-                if entry.status == LedgerStatus.VERIFIED or self.uploads.queued_or_in_flight(path):
+            done = await requeue_owed(
+                self.ledger,
+                self.uploads,
+                self.snapshots,
+                source_of=lambda remote: source_of(remote, self.state_dir, run_dir),
+                queue_file=self._queue_file,
+            )
+            for path, epoch in done.sources_gone:
+                if path in self.sources_gone:
                     continue
-                copy = await asyncio.to_thread(
-                    find_leftover,
-                    leftovers,
-                    used,
-                    _source_name(path.rpartition("/")[2]),
-                    entry.sha256,
-                    entry.size,
+                self.sources_gone.append(path)
+                log.warning(
+                    "recover: %s (epoch %s) is owed to the target but neither its snapshot "
+                    "nor its source is left; it stays pending and verification reports it",
+                    path,
+                    epoch,
                 )
-                if copy is not None:
-                    used.add(copy)
-                    item = Item(path, copy, entry.sha256, entry.size, entry.epoch, entry.kind)
-                    item.attempts = entry.attempts
-                    self.submit(item)
-                    queued += 1
-                    continue
-                src = self._source_of(path, run_dir)
-                outcome: Queued = "unavailable"
-                if src is not None:
-                    outcome = await self._queue_file(
-                        src, path, entry.epoch, entry.kind, checkpoint=path.endswith(".pt")
-                    )
-                queued += outcome == "queued"
-                if outcome == "unavailable" and path not in self.sources_gone:
-                    self.sources_gone.append(path)
-                    log.warning(
-                        "recover: %s (epoch %s) is owed to the target but neither its snapshot "
-                        "nor its source is left; it stays pending and verification reports it",
-                        path,
-                        entry.epoch,
-                    )
             files, size = await asyncio.to_thread(
                 self.snapshots.remove_except, self.uploads.snapshot_files()
             )
         if files:
             log.info("recover: removed %d stale snapshot file(s), %d bytes", files, size)
-        if queued:
-            log.info("recover: %d unverified file(s) queued again", queued)
-        return queued
-
-    def _source_of(self, remote_path: str, run_dir: Path | None) -> Path | None:
-        """The local file a remote path is uploaded from, or None when it has none here."""
-        head, _, name = remote_path.partition("/")
-        if head == "agent" and name and "/" not in name:
-            return self.state_dir / name
-        if run_dir is None:
-            return None
-        if head == "weights" and name and "/" not in name:
-            return run_dir / "weights" / _source_name(name)
-        if remote_path in SMALL_FILES:
-            return run_dir / remote_path
-        return None
+        if done.queued:
+            log.info("recover: %d unverified file(s) queued again", done.queued)
+        return done.queued
 
     async def cleanup(self) -> int:
         """At DONE: delete the snapshot files. Those of uploads still owed (queued or in
@@ -585,21 +529,7 @@ class SyncEngine:
             completed_epochs=status.completed_epochs if status else None,
             changed_only=True,
         )
-        if result.sync_verified:
-            log.info(
-                "sync verified: %d file(s) match on %s (%d read back now, %d verified earlier "
-                "and unchanged)",
-                result.checked,
-                self.sink.description,
-                result.read_back,
-                result.trusted,
-            )
-        else:
-            log.error(
-                "sync NOT verified: %d problem(s): %s",
-                len(result.missing),
-                "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
-            )
+        log_result(result, self.sink.description)
         return True
 
     async def verify_all(
@@ -653,9 +583,3 @@ class SyncEngine:
         if self.follower is not None:
             await asyncio.to_thread(self.follower.close)
         await self.uploads.close()
-
-
-def _source_name(name: str) -> str:
-    """The run-directory file a stored name comes from: ``last.at-exit.pt`` is ``last.pt``."""
-    m = _AT_EXIT.fullmatch(name)
-    return f"{m.group(1)}.pt" if m else name

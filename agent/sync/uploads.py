@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agent.config.model import SyncSection
 from agent.sinks import Sink, SinkError
@@ -34,6 +34,10 @@ from agent.util.threads import in_daemon_thread
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
 log = logging.getLogger(__name__)
+
+#: What became of one file offered to the queue: queued, already there (or on its way), or
+#: not to be had (missing, torn, not a valid zip).
+Queued = Literal["queued", "unchanged", "unavailable"]
 
 
 @dataclass

@@ -1,10 +1,11 @@
-"""Verifying the target at the end of training (part of the sync engine, ``sync.py``): every
+"""Verifying the target at the end of training (part of the sync engine, ``engine.py``): every
 path the ledger expects and every checkpoint of a completed epoch on disk is read back from the
 target with its size and sha256. Its result is what the teardown gate reads."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from agent.sync.ledger import LedgerEntry, LedgerStatus
 from agent.sync.snapshots import live_snapshot
 from agent.trainer.rundir import epoch_snapshots
 from agent.util.threads import in_daemon_thread
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,25 @@ async def verify_target(
         read_back=len(read),
         trusted=len(trusted - set(read)),
     )
+
+
+def log_result(result: VerifyResult, target: str) -> None:
+    """The one line that says whether the final sync is verified (the teardown gate's word)."""
+    if result.sync_verified:
+        log.info(
+            "sync verified: %d file(s) match on %s (%d read back now, %d verified earlier "
+            "and unchanged)",
+            result.checked,
+            target,
+            result.read_back,
+            result.trusted,
+        )
+    else:
+        log.error(
+            "sync NOT verified: %d problem(s): %s",
+            len(result.missing),
+            "; ".join(f"{m['path']}: {m['problem']}" for m in result.missing[:5]),
+        )
 
 
 def _checkpoints_on_disk(
