@@ -42,7 +42,7 @@ from agent.config.model import ConfigError, Env, Job
 from agent.util import logutil
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from agent.daemon.spine import Daemon
 
@@ -256,7 +256,7 @@ def _print_summary(daemon: Daemon, demo_root: Path | None) -> None:
     print("\n".join(lines))
 
 
-def _teardown_line(teardown: dict[str, Any] | None) -> str:
+def _teardown_line(teardown: Mapping[str, Any] | None) -> str:
     if not teardown:
         return "-"
     return str(teardown.get("detail") or teardown.get("action") or "-")

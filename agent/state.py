@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from agent.util.text import os_error
 
@@ -85,6 +85,153 @@ class TransitionError(Exception):
     """An illegal phase change was asked for: a bug, never a user mistake."""
 
 
+# ------------------------------------------------------------------------------ records
+# The state file's records are TypedDicts, not dataclasses: they stay plain dicts, so the JSON
+# file keeps its shape (a file written by an older agent loads unchanged) and the code that
+# reads them keeps its ``record["key"]`` / ``record.get("key")``. Keys that only some writers
+# set are optional (``total=False``); mypy still rejects a misspelt or undeclared key. Nothing
+# here validates a file read from disk: readers of an older file still use ``.get``.
+
+#: One entry of ``history``: a phase change (``from``, ``to``, and the ``reason`` and ``note``
+#: it was given) or an event (``event``: an agent restart, a reboot, a bad job file's mark with
+#: its ``errors`` and ``sha256``). ``from`` is a keyword, hence the functional form.
+HistoryEntry = TypedDict(
+    "HistoryEntry",
+    {
+        "at": Required[float],
+        "from": str,
+        "to": str,
+        "reason": str,
+        "note": str,
+        "event": str,
+        #: The phase an agent restart found (``event: "agent restarted"``).
+        "was": str,
+        #: A bad job file's mark: its validation errors and its content's digest.
+        "errors": list[str],
+        "sha256": str | None,
+        "judged_before": bool,
+    },
+    total=False,
+)
+
+
+class OutcomeRecord(TypedDict):
+    """How the trainer exited (``outcome``): an ``ExitKind`` value, its exit code, one line."""
+
+    kind: str
+    exit_code: int | None
+    message: str
+
+
+class ServerRecord(TypedDict, total=False):
+    """Where the HTTP server really listens (``server``; port 0 is resolved here). Both keys
+    are always written; ``total=False`` lets readers write ``(state.server or {}).get(...)``."""
+
+    host: str
+    port: int
+
+
+class TeardownRecord(TypedDict, total=False):
+    """The teardown decided, and how far carrying it out got (``teardown``). Written first with
+    the decision (``started_at``: irreversible steps are recorded as started), then grown by
+    each step; the agent, the guard and the bad-job path all write it."""
+
+    #: The provider's name (None: a bad job file whose ``[teardown]`` is unreadable).
+    provider: str | None
+    #: ``destroy`` | ``stop`` | ``keep`` (str: read from a file, checked by ``as_action``).
+    action: str
+    why: str
+    #: Who decided when not the agent: ``guard``, or the agent's decision carried on by it.
+    by: str
+    started_at: float
+    instance_id: str | None
+    #: The provider accepted the call at ``sent_at`` (a restart then only reads back).
+    sent_at: float
+    sent: str
+    #: The provider's result (:meth:`TeardownResult.to_dict`).
+    performed: bool
+    confirmed: bool
+    detail: str
+    #: Not confirmed yet: tried again with backoff.
+    open: bool
+    attempts: int
+    next_attempt_at: float
+    finished_at: float
+    #: Why a new box is needed (a GPU fault): resuming on this one would fail again.
+    box_fault: str | None
+    #: The guard's rescue of ``last.pt`` before the box goes (:func:`agent.guard.save.rescue`).
+    rescue: dict[str, Any]
+    last_error: str
+    notified_open_at: float
+
+
+class LaunchIntent(TypedDict):
+    """A launch about to happen (``launch``), saved before the spawn: the id the trainer's
+    environment carries, so a restarted agent finds its orphan instead of launching twice."""
+
+    id: str
+    argv: list[str]
+    at: float
+
+
+class CrashRecord(TypedDict):
+    """An agent crash (``crashes``): when, in which phase, the exception in one line."""
+
+    at: float
+    phase: str
+    error: str
+
+
+class ResumeRecord(TypedDict):
+    """A resume of a trainer that died without a clean end (``resumes``): the epochs done
+    then (None: unknown), the death's kind (an ``ExitKind`` value, or ``reboot``,
+    ``stalled``, ``preempted``, ``new_box``) and one line."""
+
+    at: float
+    epoch: int | None
+    kind: str
+    message: str
+
+
+class _SteeringAction(TypedDict):
+    at: float
+    #: ``extend`` | ``hold`` | ``release`` | ``stop``.
+    action: str
+
+
+# The optional keys by a ``total=False`` subclass, not ``NotRequired[...]``: under ``from
+# __future__ import annotations`` Python 3.11's TypedDict cannot see a string's NotRequired
+# and would call every key required at run time (``__required_keys__``).
+class SteeringRecord(_SteeringAction, total=False):
+    """A person's action on the run (``steering``): ``extend`` (``seconds``, ``deadline_at``),
+    ``hold`` (``seconds``, ``until``, ``renewed``), ``release``, ``stop`` (``phase``)."""
+
+    seconds: float
+    deadline_at: float
+    until: float
+    renewed: bool
+    #: The phase a ``stop`` was asked in.
+    phase: str
+
+
+class HoldRecord(TypedDict, total=False):
+    """``hold``: when it was asked, until when it holds (its own timeout), when released (None
+    until then). Every writer sets all three; ``total=False`` lets readers write
+    ``(state.hold or {}).get(...)``."""
+
+    at: float
+    until: float
+    released_at: float | None
+
+
+class PreemptionRecord(TypedDict):
+    """A preemption notice this agent handled (``preempted``): when, who said it, its words."""
+
+    at: float
+    source: str
+    message: str
+
+
 @dataclass
 class TrainerRecord:
     """How to find the trainer again: pid and create time (pids are reused)."""
@@ -111,34 +258,34 @@ class RunState:
     agent_pid: int = field(default_factory=os.getpid)
     trainer: TrainerRecord | None = None
     #: Trainer exit classification: kind, exit code, message.
-    outcome: dict[str, Any] | None = None
+    outcome: OutcomeRecord | None = None
     #: Where the HTTP server really listens (port 0 is resolved here).
-    server: dict[str, Any] | None = None
-    teardown: dict[str, Any] | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    server: ServerRecord | None = None
+    teardown: TeardownRecord | None = None
+    history: list[HistoryEntry] = field(default_factory=list)
     #: A launch about to happen (id, argv, at), saved *before* the trainer is spawned: an agent
     #: killed between spawn and recording the pid finds its orphan by this id, never launching
     #: a second trainer.
-    launch: dict[str, Any] | None = None
+    launch: LaunchIntent | None = None
     #: Agent crashes (unexpected exceptions) since the last progress; a crash loop ends in a
     #: gated teardown decision instead of restarts that bill.
-    crashes: list[dict[str, Any]] = field(default_factory=list)
+    crashes: list[CrashRecord] = field(default_factory=list)
     #: The instance's price read from the provider (``price_usd_per_hour = "auto"``), USD/h.
     price_usd_per_hour: float | None = None
     #: The kernel's boot id when the state was written: another one means the box rebooted
     #: (every pid recorded before is meaningless then).
     boot_id: str | None = None
     #: Each resume of a trainer that died without a clean end: at, epoch, kind, message.
-    resumes: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[ResumeRecord] = field(default_factory=list)
     #: What people did to the unattended run (extend, hold, release): at, action, value.
-    steering: list[dict[str, Any]] = field(default_factory=list)
+    steering: list[SteeringRecord] = field(default_factory=list)
     #: Seconds added to ``max_runtime`` by ``extend``.
     extended_s: float = 0.0
     #: ``hold``: at, until (the hold's own timeout), released_at.
-    hold: dict[str, Any] | None = None
+    hold: HoldRecord | None = None
     #: A preemption notice this agent handled (at, source, message): the trainer was stopped
     #: cleanly and ``last.pt`` saved; the next boot resumes instead of counting a failure.
-    preempted: dict[str, Any] | None = None
+    preempted: PreemptionRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -187,7 +334,7 @@ def transition(
     state.phase = target
     now = time.time()
     state.updated_at = now
-    entry: dict[str, Any] = {"at": now, "from": source.value, "to": target.value}
+    entry: HistoryEntry = {"at": now, "from": source.value, "to": target.value}
     if reason is not None:
         entry["reason"] = reason.value
     if note:

@@ -115,7 +115,7 @@ def full_state() -> RunState:
     )
     state.outcome = {"kind": "oom", "exit_code": 1, "message": "CUDA out of memory"}
     state.server = {"host": "127.0.0.1", "port": 38123}
-    state.teardown = {"action": "stop", "started": True}
+    state.teardown = {"action": "stop", "started_at": 1700000002.0}
     state.cause = "trainer oom"
     transition(state, Phase.FINISHING, reason=Reason.TRAINING_FAILED)
     return state

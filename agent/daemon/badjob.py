@@ -51,7 +51,16 @@ from agent.config.jobvalues import ErrorList, Table, check_document
 from agent.config.model import ConfigError, Env, JobSection, NotifySection, TeardownSection
 from agent.events import EventBus
 from agent.policy import teardown
-from agent.state import Phase, Reason, RunState, StateDirLocked, StateStore, transition
+from agent.state import (
+    HistoryEntry,
+    Phase,
+    Reason,
+    RunState,
+    StateDirLocked,
+    StateStore,
+    TeardownRecord,
+    transition,
+)
 from agent.util import logutil
 
 log = logging.getLogger(__name__)
@@ -303,7 +312,12 @@ class _Handler:
             state.history.append({"at": time.time(), "event": "bad job file: resumed"})
             return await self._carry_out(state, state.teardown or {}, resumed=True)
         state = RunState(job_name=self.salvaged.name, job_source=str(self.path))
-        mark = {"at": time.time(), "event": MARK, "errors": self.errors[:50], "sha256": self.sha256}
+        mark: HistoryEntry = {
+            "at": time.time(),
+            "event": MARK,
+            "errors": self.errors[:50],
+            "sha256": self.sha256,
+        }
         state.history.append(mark)
         state.cause = self.cause
         cfg = self.salvaged.teardown
@@ -345,7 +359,7 @@ class _Handler:
             provider=provider.name,
             downgraded="downgraded" in why or "KEPT" in why,
         )
-        record: dict[str, Any] = {
+        record: TeardownRecord = {
             "provider": provider.name,
             "action": decision.action,
             "why": why,
@@ -359,7 +373,7 @@ class _Handler:
     async def _carry_out(
         self,
         state: RunState,
-        record: dict[str, Any],
+        record: TeardownRecord,
         *,
         resumed: bool,
         provider: Any = None,

@@ -93,6 +93,7 @@ from agent.state import (
     RunState,
     StateDirLocked,
     StateStore,
+    TeardownRecord,
     atomic_write_json,
     lock_with_pid,
     transition,
@@ -155,7 +156,7 @@ REPEAT_OPEN_S = 1800.0
 _PAST: dict[TeardownAction, str] = {"stop": "stopped", "destroy": "destroyed", "keep": "kept"}
 
 
-def _is_open(record: dict[str, Any] | None) -> bool:
+def _is_open(record: TeardownRecord | None) -> bool:
     """:func:`agent.policy.teardown.is_open`, imported once a job's phase is terminal."""
     from agent.policy.teardown import is_open
 
@@ -304,7 +305,7 @@ class Guard:
     async def _teardown(
         self, plan: GuardPlan, verdict: Due, state: RunState | None, *, owned: bool
     ) -> bool:
-        from agent.policy.teardown import NOT_CONFIRMED, carry_out
+        from agent.policy.teardown import NOT_CONFIRMED, carry_out, note_result
 
         self.attempts += 1
         cfg = plan.teardown_section()
@@ -362,7 +363,7 @@ class Guard:
                 save()
                 await self._notify(job, notices)
                 return False
-        record.update(result.to_dict())
+        note_result(record, result)
         if not result.confirmed:
             log.error(
                 "guard: %s %s (%s); reading back in %s",
@@ -459,7 +460,7 @@ class Guard:
 
     async def _decide(
         self, plan: GuardPlan, state: RunState | None, provider: Provider
-    ) -> tuple[dict[str, Any], bool, TeardownResult | None]:
+    ) -> tuple[TeardownRecord, bool, TeardownResult | None]:
         """The teardown record to carry out, whether it resumes an earlier decision (which
         then stands: a record that says "sent" is only read back), and a result when nothing
         is left to send."""
@@ -467,7 +468,7 @@ class Guard:
 
         previous = self._read_record()
         if previous is not None and previous.get("job_started_at") == plan.started_at:
-            own = previous.get("teardown")
+            own: TeardownRecord | None = previous.get("teardown")
             if isinstance(own, dict) and own.get("action") and "finished_at" not in own:
                 with contextlib.suppress(TypeError, ValueError):
                     self.attempts = max(self.attempts, int(previous.get("attempts", 0)) + 1)
@@ -476,10 +477,10 @@ class Guard:
         if prior and prior.get("action") and "finished_at" not in prior:
             if prior.get("sent_at"):
                 # The dead agent's call was accepted: confirm it, never send a second one.
-                return dict(prior, by="agent, carried on by the guard"), True, None
+                return {**prior, "by": "agent, carried on by the guard"}, True, None
             found = await provider.read_back(as_action(str(prior["action"])))
             if found is not None and found.confirmed:
-                return dict(prior, by="agent, confirmed by the guard"), False, found
+                return {**prior, "by": "agent, confirmed by the guard"}, False, found
         reason = state.reason if state is not None else None
         action, why = choose_action(
             plan, reason=reason, sync_result=self._read_json(SYNC_RESULT_FILE)
@@ -494,7 +495,7 @@ class Guard:
             )
             log.error("guard: %s", why)
             result = TeardownResult("keep", False, True, why)
-        record: dict[str, Any] = {
+        record: TeardownRecord = {
             "provider": provider.name,
             "action": action,
             "why": why,
@@ -515,7 +516,7 @@ class Guard:
             log.warning("guard: cannot identify this instance: %s", exc)
             return None
 
-    def _take_over(self, state: RunState, verdict: Due, record: dict[str, Any]) -> None:
+    def _take_over(self, state: RunState, verdict: Due, record: TeardownRecord) -> None:
         """The agent is dead: the guard owns state.json now and carries the job to DONE."""
         if state.phase != Phase.TEARDOWN or state.reason != Reason.AGENT_FAILED:
             if state.phase != Phase.BOOTING:
@@ -574,7 +575,7 @@ class Guard:
         return self._read_json(RECORD_FILE)
 
     def _write_record(
-        self, plan: GuardPlan, verdict: Due, record: dict[str, Any], *, state_written: bool
+        self, plan: GuardPlan, verdict: Due, record: TeardownRecord, *, state_written: bool
     ) -> None:
         doc = {
             "pid": os.getpid(),

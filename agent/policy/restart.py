@@ -10,10 +10,9 @@ takes the (gated) teardown decision, so a bug never becomes a restart loop that 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from agent.policy.teardown import NOT_CONFIRMED, is_open
-from agent.state import SPINE, Phase, Reason, RunState
+from agent.state import SPINE, CrashRecord, Phase, Reason, RunState
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ def reopen_unconfirmed(previous: RunState, now: float, *, say: bool = True) -> b
     return True
 
 
-def crash_record(state: RunState, exc: BaseException, now: float) -> dict[str, Any]:
+def crash_record(state: RunState, exc: BaseException, now: float) -> CrashRecord:
     """The entry a crashed agent leaves in ``state.crashes``."""
     return {"at": now, "phase": state.phase.value, "error": f"{type(exc).__name__}: {exc}"[:300]}
 

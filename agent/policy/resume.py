@@ -24,10 +24,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agent.config.model import LimitsSection
-from agent.state import Reason
+from agent.state import Reason, ResumeRecord
 from agent.trainer.process import Outcome, OutcomeKind
 from agent.trainer.rundir import RunStatus, is_valid_checkpoint
 from agent.util.backoff import doubling_s
@@ -73,7 +72,7 @@ class Decision:
 
 def death_record(
     outcome: Outcome, status: RunStatus | None, *, now: float, cause: str | None
-) -> dict[str, Any]:
+) -> ResumeRecord:
     """What a resume remembers of the death it resumes from (state.json ``resumes``).
     ``cause``: ``reboot``, ``stalled``, ``preempted`` when the agent knows better than the exit."""
     return {
@@ -114,7 +113,7 @@ def new_box_epochs(remote: RunStatus | None, wanted: int | None) -> int | None:
     return wanted if wanted is not None else remote.total_epochs
 
 
-def counted(resumes: list[dict[str, Any]]) -> int:
+def counted(resumes: list[ResumeRecord]) -> int:
     """Resumes that count towards ``max_restarts`` (a handled preemption does not)."""
     return sum(1 for r in resumes if r.get("kind") not in NOT_COUNTED)
 
@@ -124,7 +123,7 @@ def decide(
     status: RunStatus | None,
     *,
     cfg: LimitsSection,
-    resumes: list[dict[str, Any]],
+    resumes: list[ResumeRecord],
     stop_reason: Reason | None,
     box_fault: str | None = None,
     cause: str | None = None,

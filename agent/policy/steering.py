@@ -377,8 +377,8 @@ def _nothing_held(state: RunState, now: float) -> str:
         return f"nothing to release: the run has ended ({state.phase.value})"
     if h is None:
         return "nothing to release: the box is not held (`hold` holds it)"
-    if h.get("released_at") is not None:
-        return f"nothing to release: the hold was already released at {utc_iso(h['released_at'])}"
+    if (released := h.get("released_at")) is not None:
+        return f"nothing to release: the hold was already released at {utc_iso(released)}"
     return f"nothing to release: the hold timed out at {utc_iso(float(h['until']))}"
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from agent.config.jobvalues import ConfigError
 from agent.config.model import Env, JobSection, TeardownAction, TeardownSection, as_action
 from agent.providers import Provider, ProviderError, TeardownResult, make_provider
-from agent.state import Reason, RunState
+from agent.state import Reason, RunState, TeardownRecord
 from agent.util.backoff import delay_s
 from agent.util.crashpoints import crashpoint
 
@@ -119,7 +119,7 @@ def anything_to_save(state: RunState, run_dir: Path | None, job: JobSection) -> 
 
 async def carry_out(
     provider: Provider,
-    record: dict[str, Any],
+    record: TeardownRecord,
     reason: Reason,
     *,
     resumed: bool,
@@ -167,6 +167,18 @@ async def instance_id(provider: Provider) -> str | None:
 
 
 # ----------------------------------------------------------------------------- open teardowns
+
+
+def note_result(record: TeardownRecord, result: TeardownResult) -> None:
+    """Copy the provider's answer into the record (what state.json and guard.json keep)."""
+    record.update(
+        {
+            "action": result.action,
+            "performed": result.performed,
+            "confirmed": result.confirmed,
+            "detail": result.detail,
+        }
+    )
 
 
 def is_open(record: Mapping[str, Any] | None) -> bool:
@@ -236,7 +248,7 @@ def _reads_back(provider: Provider) -> bool:
 
 async def carry_until_confirmed(
     provider: Provider,
-    record: dict[str, Any],
+    record: TeardownRecord,
     reason: Reason,
     *,
     resumed: bool,
@@ -254,7 +266,7 @@ async def carry_until_confirmed(
     attempt = int(record.get("attempts") or 0)
     while True:
         result = await carry_out(provider, record, reason, resumed=resumed, save=save)
-        record.update(result.to_dict())
+        note_result(record, result)
         if result.confirmed:
             record["open"] = False
             record.pop("next_attempt_at", None)
@@ -263,7 +275,7 @@ async def carry_until_confirmed(
         if not _reads_back(provider):
             record.pop("sent_at", None)  # nothing to read back: the command runs again
         pause = delay_s(attempt, first_s=first_s, cap_s=max_s)
-        record.update(open=True, attempts=attempt, next_attempt_at=clock() + pause)
+        record.update({"open": True, "attempts": attempt, "next_attempt_at": clock() + pause})
         log.error(
             "teardown: %s (attempt %d); trying again in %.0fs, reading back first",
             open_words(record),

@@ -27,7 +27,7 @@ import psutil
 
 from agent.config.model import Job, TrainValue
 from agent.install.libreyolo import find_libreyolo
-from agent.state import Reason, TrainerRecord
+from agent.state import LaunchIntent, OutcomeRecord, Reason, TrainerRecord
 from agent.trainer.exitwait import wait_exit
 from agent.trainer.rundir import RunStatus, pid_alive
 from agent.trainer.spawn import LAUNCH_ENV, spawn_detached, trainer_env
@@ -142,7 +142,7 @@ class Outcome:
             return Reason.COMPLETED, self.message
         return Reason.TRAINING_FAILED, f"trainer {self.kind.value}: {self.message}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> OutcomeRecord:
         return {"kind": self.kind.value, "exit_code": self.exit_code, "message": self.message}
 
 
@@ -590,8 +590,8 @@ async def start_once(
     launcher: Launcher,
     job: Job,
     *,
-    intent: dict[str, Any] | None,
-    record_intent: Callable[[dict[str, Any]], None],
+    intent: LaunchIntent | None,
+    record_intent: Callable[[LaunchIntent], None],
     log_path: Path,
     result_path: Path,
     now: float,
