@@ -19,7 +19,8 @@ from agent.policy.resume import (
     new_box_epochs,
 )
 from agent.state import Reason
-from agent.trainer.process import Outcome, OutcomeKind, build_argv
+from agent.trainer.outcome import Outcome, OutcomeKind
+from agent.trainer.process import build_argv
 from agent.trainer.rundir import RunStatus
 
 CFG = LimitsSection(max_restarts=3, restart_backoff_s=10.0)

@@ -18,15 +18,8 @@ import psutil
 import pytest
 
 from agent.state import Reason, TrainerRecord
-from agent.trainer.process import (
-    Outcome,
-    OutcomeKind,
-    Trainer,
-    TrainerError,
-    classify,
-    process_tree,
-    read_result,
-)
+from agent.trainer.outcome import Outcome, OutcomeKind, classify, read_result
+from agent.trainer.process import Trainer, TrainerError, process_tree
 from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_status
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "scripted_trainer.py"

@@ -19,7 +19,8 @@ from agent.policy import resume
 from agent.policy.resume import AlreadyDone
 from agent.sinks import SinkError
 from agent.state import LaunchIntent, Reason
-from agent.trainer.process import Outcome, TrainerError, build_argv, start_once
+from agent.trainer.outcome import Outcome
+from agent.trainer.process import TrainerError, build_argv, start_once
 from agent.trainer.rundir import read_status
 from agent.util.text import os_error
 

@@ -32,7 +32,7 @@ from agent.daemon.sizingrun import SizingRun
 from agent.policy.limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
 from agent.state import Reason
 from agent.trainer.exitwait import unless_exited
-from agent.trainer.process import Outcome, OutcomeKind, classify, read_result
+from agent.trainer.outcome import Outcome, OutcomeKind, classify, read_result
 from agent.trainer.rundir import (
     RunStatus,
     find_dead_run_dir,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from agent.config.model import LimitsSection
 from agent.state import Reason, ResumeRecord
-from agent.trainer.process import Outcome, OutcomeKind
+from agent.trainer.outcome import Outcome, OutcomeKind
 from agent.trainer.rundir import RunStatus, is_valid_checkpoint
 from agent.util.backoff import doubling_s
 
