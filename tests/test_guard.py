@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from agent import demo
+from agent.guard.decide import choose_action, due
 from agent.guard.plan import (
     HEARTBEAT_FILE,
     LOG_FILE,
@@ -35,7 +36,7 @@ from agent.guard.plan import (
     ensure_running,
     guard_pid,
 )
-from agent.guard.run import RECORD_FILE, choose_action, due
+from agent.guard.run import RECORD_FILE
 from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
 from tests import test_guardplan
 from tests.fakes.providers import run_fake_lambda, run_fake_vast
@@ -346,7 +347,7 @@ def test_a_guard_without_a_plan_exits(state_dir: Path, guards: list[int]) -> Non
 
 def test_the_guard_imports_neither_torch_nor_the_http_server() -> None:
     code = (
-        "import sys, agent.guard.run\n"
+        "import sys, agent.guard.__main__\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'libreyolo') "
         "or m in ('aiohttp.web', 'agent.daemon', 'agent.status.server', 'agent.sync')]\n"
         "print(heavy)\n"

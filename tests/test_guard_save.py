@@ -336,7 +336,7 @@ def test_the_waiting_guard_imports_no_sink_no_notifier_and_no_psutil() -> None:
     # Nor asyncio, the providers, the teardown or restart modules (issue 26: memory): imported
     # when it acts.
     code = (
-        "import sys, agent.guard.run\n"
+        "import sys, agent.guard.__main__\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('psutil', 'aiohttp', "
         "'huggingface_hub', 'asyncio') or m in ('agent.guard.save', 'agent.sinks', "
         "'agent.status.notify', 'agent.config.jobfile', 'agent.trainer', 'agent.policy.teardown', "
@@ -556,7 +556,7 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
 def test_due_in_held_follows_the_holds_end_and_the_deadline(
     silent_s: float, hold: dict[str, float], deadline_in: float | None, kind: str
 ) -> None:
-    from agent.guard.run import due
+    from agent.guard.decide import due
     from agent.state import RunState
     from tests.test_guard import plan_at
 

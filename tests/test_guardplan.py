@@ -21,8 +21,6 @@ import pytest
 
 from agent.config.jobfile import parse_job
 from agent.config.model import ConfigError
-from agent.guard import plan as guardplan
-from agent.guard import run as guard
 from agent.guard.plan import (
     HEARTBEAT_FILE,
     LOCK_FILE,
@@ -209,17 +207,3 @@ def test_ensure_running_hands_out_the_lock_holders_pid(state_dir: Path) -> None:
     finally:
         os.close(fd)
     assert not (state_dir / LOG_FILE).exists()
-
-
-def test_the_agent_side_stays_importable_from_agent_guard() -> None:
-    # agent/daemon/spine.py calls guard.write_plan, guard.heartbeat_task and guard.ensure_running,
-    # agent/cli.py guard.check_environ: every public name of agent/guard/plan.py stays there.
-    public = [
-        name
-        for name, value in vars(guardplan).items()
-        if not name.startswith("_")
-        and (name.isupper() or getattr(value, "__module__", None) == guardplan.__name__)
-    ]
-    assert {"write_plan", "heartbeat_task", "ensure_running", "check_environ"} <= set(public)
-    for name in public:
-        assert name in guard.__all__ and getattr(guard, name) is getattr(guardplan, name), name

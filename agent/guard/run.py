@@ -6,8 +6,8 @@ the bill. The guard is that something: ``python -m agent.guard STATE_DIR``, star
 providers (no torch, no HTTP server), so it survives whatever took the agent down.
 
 The agent's side (the plan ``guard-plan.json``, the ``heartbeat``, starting the guard) lives in
-:mod:`agent.guard.plan`; its names are importable from here too. The guard's own files in the
-state directory:
+:mod:`agent.guard.plan`; the process (its command line, log, lock and signals) in
+:mod:`agent.guard.__main__`. The guard's own files in the state directory:
 
 - ``guard.lock``: flock held by the one guard of the directory, its pid inside. A second guard
   exits at once.
@@ -48,44 +48,26 @@ SIGINT end the guard after its current step.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from agent.config.model import TeardownAction, TeardownSection, as_action, format_duration
-from agent.guard.decide import Due, DueKind, choose_action, due, sync_verified, when
+from agent.guard.decide import Due, choose_action, due, when
 from agent.guard.plan import (
-    DEFAULT_MARGIN_S,
-    DEFAULT_STALE_AFTER_S,
-    HEARTBEAT_FILE,
     LOCK_FILE,
-    LOG_FILE,
-    MARGIN_ENV,
     MAX_EVERY_S,
-    NO_DEADLINE_STALE_S,
     PLAN_FILE,
-    SAVE_TIMEOUT_ENV,
-    STALE_AFTER_ENV,
     GuardPlan,
-    beat,
-    check_environ,
-    ensure_running,
-    guard_pid,
-    heartbeat_task,
     last_sign_of_life,
     read_plan,
-    write_plan,
 )
 from agent.state import (
     Phase,
@@ -95,10 +77,8 @@ from agent.state import (
     StateStore,
     TeardownRecord,
     atomic_write_json,
-    lock_with_pid,
     transition,
 )
-from agent.util import logutil
 
 if TYPE_CHECKING:
     from agent.providers import Provider, TeardownResult
@@ -108,48 +88,11 @@ if TYPE_CHECKING:
 # imported when it acts (tests/test_guard_save.py and tests/test_guard.py check what a waiting
 # guard holds).
 
-# The agent's side stays importable from here: ``guard.write_plan(...)`` in agent/daemon/spine.py.
-__all__ = [
-    "DEFAULT_MARGIN_S",
-    "DEFAULT_STALE_AFTER_S",
-    "HEARTBEAT_FILE",
-    "LOCK_FILE",
-    "LOG_FILE",
-    "MARGIN_ENV",
-    "MAX_EVERY_S",
-    "NO_DEADLINE_STALE_S",
-    "PLAN_FILE",
-    "RECORD_FILE",
-    "SAVE_TIMEOUT_ENV",
-    "STALE_AFTER_ENV",
-    "SYNC_RESULT_FILE",
-    "Due",
-    "DueKind",
-    "Guard",
-    "GuardPlan",
-    "GuardRunning",
-    "beat",
-    "check_environ",
-    "choose_action",
-    "due",
-    "ensure_running",
-    "guard_pid",
-    "heartbeat_task",
-    "last_sign_of_life",
-    "main",
-    "read_plan",
-    "sync_verified",
-    "write_plan",
-]
-
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "guard.json"
 #: Written by agent/sync/engine.py after the final verification (what the teardown gate reads).
 SYNC_RESULT_FILE = "sync-result.json"
-#: A guard that finds guard.lock taken tries again this many times, 50 ms apart, before it
-#: concludes another guard holds it (:func:`guard_pid` takes the lock for a moment to probe).
-_LOCK_TRIES = 10
 
 #: An open teardown's notice is sent again at most this often, seconds (as the agent's).
 REPEAT_OPEN_S = 1800.0
@@ -168,14 +111,6 @@ def _reopen_unconfirmed(state: RunState, now: float, *, say: bool) -> bool:
     from agent.policy.restart import reopen_unconfirmed
 
     return reopen_unconfirmed(state, now, say=say)
-
-
-class GuardRunning(Exception):
-    """Another guard holds the state directory's ``guard.lock`` (its pid in ``holder``)."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(holder)
-        self.holder = holder
 
 
 # --------------------------------------------------------------------------------- the guard
@@ -607,59 +542,3 @@ class Guard:
         key = (kind, message) if kind == "state" else (kind, "")
         log.log(logging.INFO if key != self._said else logging.DEBUG, "%s", message)
         self._said = key
-
-
-# ---------------------------------------------------------------------------------- process
-
-
-def _configure_logging() -> logging.Handler:
-    """``agent`` loggers (the providers' too) to stderr, which is guard.log, dated lines."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("agent")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    logutil.install(handler)
-    return handler
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m agent.guard",
-        description="Watch the agent's heartbeat in STATE_DIR and stop the box when the agent "
-        "is dead past the job's hard deadline. Started by `libreyolo-agent run`.",
-    )
-    parser.add_argument("state_dir", type=Path, help="the agent's state directory")
-    args = parser.parse_args(argv)
-    _configure_logging()
-    state_dir: Path = args.state_dir.absolute()
-    try:
-        lock_fd = lock_with_pid(state_dir / LOCK_FILE, tries=_LOCK_TRIES, held=GuardRunning)
-    except GuardRunning as exc:
-        log.info("guard: another guard (pid %s) watches %s; exiting", exc.holder, state_dir)
-        return 0
-    except OSError as exc:
-        log.error("guard: cannot lock %s: %s", state_dir / LOCK_FILE, exc.strerror or exc)
-        return 1
-    # Hold no directory that someone may want to unmount or remove.
-    with contextlib.suppress(OSError):
-        os.chdir("/")
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        # Only set the event: the current step (a teardown call) finishes first.
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    log.info("guard: watching %s (pid %d)", state_dir, os.getpid())
-    try:
-        return Guard(state_dir, stop=stop, lock_fd=lock_fd).run()
-    finally:
-        os.close(lock_fd)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
