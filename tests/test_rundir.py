@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -25,7 +24,6 @@ from agent.trainer.rundir import (
     read_metrics,
     read_status,
 )
-from agent.util.watch import RunWatcher
 from tests.fakes.scripted_trainer import write_checkpoint
 
 # Shapes as LibreYOLO 1.6.0's TrainingStatusCallback writes them.
@@ -373,61 +371,3 @@ def test_is_valid_checkpoint_rejects_non_zips(tmp_path: Path, content: bytes) ->
 
 def test_is_valid_checkpoint_missing_file(tmp_path: Path) -> None:
     assert not is_valid_checkpoint(tmp_path / "nope.pt")
-
-
-def test_run_watcher_sets_event_on_status_change(tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-
-    async def scenario() -> bool:
-        changed = asyncio.Event()
-        watcher = RunWatcher(asyncio.get_running_loop(), changed)
-        try:
-            watcher.watch(runs)
-            watcher.watch(runs)  # twice is harmless
-            changed.clear()
-            write_status(runs / "run1", STARTING)
-            await asyncio.wait_for(changed.wait(), 10)
-            return changed.is_set()
-        finally:
-            watcher.stop()
-
-    assert asyncio.run(scenario())
-    assert runs.is_dir()
-
-
-class CountingEvent(asyncio.Event):
-    """An asyncio.Event that counts how often it was set (the loop's wake-ups)."""
-
-    sets = 0
-
-    def set(self) -> None:
-        self.sets += 1
-        super().set()
-
-
-def test_run_watcher_wakes_once_for_a_big_write_not_per_write_call(tmp_path: Path) -> None:
-    """torch.save writes a checkpoint in thousands of write() calls: the loop must wake when
-    the file is whole (closed), not for each call (IN_MODIFY is not in the mask)."""
-    runs = tmp_path / "runs"
-    (runs / "run1" / "weights").mkdir(parents=True)
-
-    async def scenario() -> int:
-        changed = CountingEvent()
-        watcher = RunWatcher(asyncio.get_running_loop(), changed)
-        try:
-            watcher.watch(runs)
-            await asyncio.sleep(0.2)
-            changed.clear()
-            before = changed.sets
-            with open(runs / "run1" / "weights" / "last.pt", "wb", buffering=0) as f:
-                for _ in range(2000):
-                    f.write(b"\0" * 4096)
-                    await asyncio.sleep(0)  # let the loop take events as they come
-            await asyncio.wait_for(changed.wait(), 10)
-            await asyncio.sleep(0.5)  # anything still in flight
-            return changed.sets - before
-        finally:
-            watcher.stop()
-
-    wakes = asyncio.run(scenario())
-    assert 1 <= wakes <= 3, wakes  # created, closed: not 2000
