@@ -14,9 +14,10 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from agent import hub as agent_hub
 from agent.config.model import Env
-from agent.sinks import RemoteFile, SinkError, make_sink
+from agent.sinks import RemoteFile, SinkError
 from agent.sinks.digests import sha256_file
 from agent.sinks.hf import HubSink
+from agent.sinks.target import make_sink
 from tests.fakes.hub import FakeHub, overlaps, run_fake_hub
 
 GOOD = "hf_write_token_SECRET_1234"

@@ -44,7 +44,8 @@ from agent.guard import plan as guardplan
 from agent.policy import restart, teardown
 from agent.policy.resume import boot_id
 from agent.providers import Provider
-from agent.sinks import Sink, make_sink
+from agent.sinks import Sink
+from agent.sinks.target import make_sink
 from agent.state import Phase, Reason, RunState, StateDirLocked, StateStore, transition
 from agent.status.notify import Notifier
 from agent.sync.engine import SyncEngine

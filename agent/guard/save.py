@@ -148,8 +148,8 @@ def _verified(entry: dict[str, Any] | None, sha256: str | None, size: int) -> bo
 
 def _upload_and_verify(job: Job, env: Env, local: Path, remote_path: str) -> dict[str, Any]:
     """Blocking: upload ``local`` as ``remote_path`` and read it back."""
-    from agent.sinks import make_sink
     from agent.sinks.digests import sha256_file
+    from agent.sinks.target import make_sink
 
     assert job.sync is not None
     if job.sync.scheme == "hf":

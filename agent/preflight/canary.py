@@ -103,7 +103,7 @@ async def command_checks(job: Job, env: Env) -> list[Check]:
     """What ``libreyolo-agent preflight JOB`` adds to the machine checks, so that it proves what
     ``run`` will: the target's canary and the guard's plan (the full preflight already reads the
     provider)."""
-    from agent.sinks import make_sink
+    from agent.sinks.target import make_sink
 
     checks: list[Check] = []
     if job.sync is not None:

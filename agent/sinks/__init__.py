@@ -1,9 +1,13 @@
 """Where checkpoints go: one module per kind of target behind one small, blocking interface.
 
-Sinks are deliberately synchronous: ``sync.py`` runs every call in its own worker thread, keeps
-the thread's future, and treats a path as "in flight" until that thread has really finished,
-even after a timeout gave up waiting for it. So a sink never has to be cancellation-safe, and two
-uploads of the same path can never overlap.
+This package's ``__init__`` holds the nouns every sink shares (the interface, what a target
+reads back, the error); the sinks are ``local.py`` and ``hf.py``, ``target.py`` picks one for a
+job, ``digests.py`` remembers what was hashed.
+
+Sinks are deliberately synchronous: the upload queue (``agent/sync/uploads.py``) runs every call
+in its own worker thread, keeps the thread's future, and treats a path as "in flight" until that
+thread has really finished, even after a timeout gave up waiting for it. So a sink never has to
+be cancellation-safe, and two uploads of the same path can never overlap.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from agent.config.model import Env, SyncSection
 from agent.sinks.digests import sha256_file
 
 
@@ -74,16 +77,3 @@ def check_download(tmp: Path, local: Path, expected: RemoteFile, action: str) ->
         )
     tmp.replace(local)
     return expected
-
-
-def make_sink(sync: SyncSection, env: Env) -> Sink:
-    """Build the sink for ``sync.target``."""
-    if sync.scheme == "file":
-        from agent.sinks.local import LocalSink
-
-        return LocalSink(Path(sync.location))
-    if sync.scheme == "hf":
-        from agent.sinks.hf import HubSink
-
-        return HubSink(sync.location, env=env, private=sync.private)
-    raise ValueError(f"unsupported sync target scheme {sync.scheme!r}")
