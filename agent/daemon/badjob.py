@@ -41,7 +41,7 @@ import os
 import signal
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,9 +193,16 @@ def cause_line(errors: Sequence[ConfigError]) -> str:
     return f"bad job file: {errors[0] if errors else 'invalid'}{more}"
 
 
-def handle(path: Path, errors: Sequence[ConfigError], *, supervised: bool) -> None:
+def handle(
+    path: Path,
+    errors: Sequence[ConfigError],
+    *,
+    supervised: bool,
+    clock: Callable[[], float] = time.time,
+) -> None:
     """The bad-job decision for ``path`` (its ``errors`` already printed); never raises for a
-    problem it can say in one line. The caller exits 2."""
+    problem it can say in one line. The caller exits 2. ``clock`` stamps every record and event
+    (the daemon's one clock, as :class:`agent.daemon.spine.Daemon` takes it)."""
     salvaged = salvage(path)
     if not supervised and not wanted_by_run(salvaged):
         return
@@ -230,7 +237,7 @@ def handle(path: Path, errors: Sequence[ConfigError], *, supervised: bool) -> No
                 "the job file %s cannot run: %s", path, " | ".join(str(e) for e in errors)
             )
             try:
-                asyncio.run(_Handler(path, errors, salvaged, env, store).run())
+                asyncio.run(_Handler(path, errors, salvaged, env, store, clock).run())
             except ConfigError as exc:  # LIBREYOLO_AGENT_TEARDOWN_TIMING: a typo
                 log.error("nothing torn down, the box is KEPT and keeps billing: %s", exc)
     finally:
@@ -245,15 +252,17 @@ class _Handler:
         salvaged: Salvaged,
         env: Env,
         store: StateStore,
+        clock: Callable[[], float],
     ) -> None:
         self.path = path
+        self.clock = clock
         self.salvaged = salvaged
         self.env = env
         self.store = store
         self.cause = cause_line(errors)
         self.errors = [str(e) for e in errors]
         self.sha256 = _sha256(path)
-        self.events = EventBus()
+        self.events = EventBus(clock=clock)
         self.notifier: Any = None
         self.stop = asyncio.Event()
 
@@ -309,11 +318,14 @@ class _Handler:
             )
         if previous is not None and previous.phase == Phase.TEARDOWN and previous.teardown:
             state = previous  # a teardown decided for the bad job file, not confirmed yet
-            state.history.append({"at": time.time(), "event": "bad job file: resumed"})
+            state.history.append({"at": self.clock(), "event": "bad job file: resumed"})
             return await self._carry_out(state, state.teardown or {}, resumed=True)
-        state = RunState(job_name=self.salvaged.name, job_source=str(self.path))
+        now = self.clock()
+        state = RunState(
+            job_name=self.salvaged.name, job_source=str(self.path), started_at=now, updated_at=now
+        )
         mark: HistoryEntry = {
-            "at": time.time(),
+            "at": self.clock(),
             "event": MARK,
             "errors": self.errors[:50],
             "sha256": self.sha256,
@@ -363,7 +375,7 @@ class _Handler:
             "provider": provider.name,
             "action": decision.action,
             "why": why,
-            "started_at": time.time(),
+            "started_at": self.clock(),
             "instance_id": await teardown.instance_id(provider),
         }
         state.teardown = record
@@ -411,12 +423,13 @@ class _Handler:
             save=lambda: self.store.save(state),
             wait=wait,
             on_open=on_open,
+            clock=self.clock,
         )
         if not result.confirmed:
             log.error("asked to exit with the teardown NOT confirmed: state stays TEARDOWN")
             return None
         self.events.publish("teardown_confirmed", **result.to_dict())
-        record["finished_at"] = time.time()
+        record["finished_at"] = self.clock()
         state.cause = self.cause
         transition(state, Phase.DONE)  # TEARDOWN -> DONE
         self.store.save(state)
@@ -443,7 +456,7 @@ class _Handler:
             # No "confirmed": a box kept for want of a readable [teardown] is an open teardown
             # (agent/policy/teardown.py is_open), so `status` exits 3 until a person acts.
             "detail": f"KEPT (still billing): {short}",
-            "started_at": time.time(),
+            "started_at": self.clock(),
         }
         transition(state, Phase.FAILED, reason=Reason.PREFLIGHT_FAILED, note=MARK)
         self.store.save(state)

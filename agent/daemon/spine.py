@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from agent import hub
 from agent.config.model import Env, Job, TeardownSection
@@ -68,7 +68,13 @@ class _Shared(Generic[T]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, daemon: Daemon, owner: type | None = None) -> T:
+    @overload
+    def __get__(self, daemon: None, owner: type) -> _Shared[T]: ...
+    @overload
+    def __get__(self, daemon: Daemon, owner: type | None = None) -> T: ...
+    def __get__(self, daemon: Daemon | None, owner: type | None = None) -> T | _Shared[T]:
+        if daemon is None:
+            return self  # on the class (introspection, patching)
         value: T = getattr(daemon.ctx, self.name)
         return value
 
