@@ -470,7 +470,7 @@ def last_pt_verified(run: Run) -> bool:
 def test_a_preemption_notice_saves_last_pt_stops_the_trainer_and_the_survivor_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent.daemon.training.PREEMPT_SURVIVAL_S", 0.5)
+    monkeypatch.setattr("agent.daemon.preempted.PREEMPT_SURVIVAL_S", 0.5)
     seen: dict[str, Any] = {}
     with run_fake_imds() as imds:
         job = every_10(preemption_job(tmp_path, imds.url))

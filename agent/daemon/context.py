@@ -156,6 +156,13 @@ class RunContext:
         """The agent's own files that travel with the checkpoints (state.json, agent.log...)."""
         return [p for p in (self.store.path(n) for n in AGENT_FILES) if p.exists()]
 
+    async def save_now(self) -> None:
+        """Queue ``last.pt`` (and ``best.pt``) at once, whatever the sync policy's schedule:
+        a stop, a stall or a notice is coming."""
+        if self.sync is not None and self.run_dir is not None:
+            epoch = self.status.completed_epochs if self.status else None
+            await self.sync.save_now(self.run_dir, epoch)
+
     async def sync_reports(self) -> None:
         """A box that failed before training is usually destroyed at once: get the reason off
         it first (preflight/staging report, agent.log, state.json), within a short wait."""

@@ -9,9 +9,10 @@ the *job* is a different request (``libreyolo-agent stop`` / POST /stop).
 The phases are objects over one :class:`~agent.daemon.context.RunContext`, each in its module
 and each returning its result: :class:`~agent.daemon.prepare.Preparation` (PREFLIGHT, STAGING),
 :class:`~agent.daemon.training.Training` (TRAINING, resumes included, with
-:mod:`agent.daemon.relaunch`), :class:`~agent.daemon.finish.Ending` (FINISHING, TEARDOWN,
-HELD); :class:`~agent.daemon.control.Control` answers people. :meth:`Daemon._phases` reads
-top to bottom as the run goes.
+:mod:`agent.daemon.relaunch` and :mod:`agent.daemon.preempted`),
+:class:`~agent.daemon.finish.Ending` (FINISHING, TEARDOWN, HELD);
+:class:`~agent.daemon.control.Control` answers people. :meth:`Daemon._phases` reads top to
+bottom as the run goes.
 """
 
 from __future__ import annotations

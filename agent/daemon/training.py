@@ -12,7 +12,7 @@ ended without a clean end, :mod:`agent.policy.resume` decides whether it goes on
 One :class:`Training` per run: it owns what only this phase needs (the followed trainer's exit,
 its outcome, the turn count, the budget warner); what the other phases read (the state, the run
 directory, the last status, a box fault) is on the run context. Launching and resuming are
-:mod:`agent.daemon.relaunch`'s.
+:mod:`agent.daemon.relaunch`'s, a preemption notice's aftermath :mod:`agent.daemon.preempted`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from agent.daemon.context import RunContext
 from agent.daemon.doctor import DoctorBeside
+from agent.daemon.preempted import after_notice, watch_notices
 from agent.daemon.relaunch import launch, resume_or_not
 from agent.daemon.sizingrun import SizingRun
 from agent.policy.limits import BudgetWarner, budget_view, check_limits, finish_reserve_s
@@ -42,18 +43,11 @@ from agent.trainer.rundir import (
 )
 from agent.util.watch import RunWatcher
 from agent.watch import disk as diskwatch
-from agent.watch.preemption import Notice, PreemptionWatcher, detect
 from agent.watch.progress import ProgressTracker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 U = TypeVar("U")
-
-#: After a cloud preemption notice was handled, how long the agent waits for the box to go
-#: before it decides the box survived and resumes training on it, seconds.
-PREEMPT_SURVIVAL_S = 300.0
-#: The longest the agent waits for ``last.pt`` to reach the target after a notice, seconds.
-PREEMPT_UPLOAD_S = 120.0
 
 
 class Training:
@@ -80,7 +74,7 @@ class Training:
         """Supervise until the training ends for good: resumes included. Returns the reason it
         ended, or None when the agent itself is exiting (the trainer, if any, goes on)."""
         ctx = self.ctx
-        self._start_watchers()
+        watch_notices(ctx)
         while True:
             followed = await self._supervise_once()
             if isinstance(followed, _Exiting):
@@ -97,7 +91,7 @@ class Training:
                     stop_reason = Reason.PREFLIGHT_FAILED
             reason = self._classify_and_reason(self.exit_code, stop_reason)
             if reason == Reason.PREEMPTED:
-                if not await self._after_preemption():
+                if not await after_notice(ctx):
                     return None
             elif reason != Reason.TRAINING_FAILED and reason != Reason.STALLED:
                 return reason
@@ -247,7 +241,7 @@ class Training:
                 source=notice.source if notice else "?",
                 message=notice.message if notice else "",
             )
-            await self._save_now()
+            await ctx.save_now()
             return Reason.PREEMPTED
         bad_data = self.doctor.verdict()
         if bad_data is not None:
@@ -264,7 +258,7 @@ class Training:
                 ctx.breach_message = f"GPU fault: {ctx.box_fault}"
                 log.error("%s: stopping the run (a box fault)", ctx.breach_message)
                 ctx.events.publish("warning", message=ctx.breach_message)
-                await self._save_now()
+                await ctx.save_now()
                 return Reason.TRAINING_FAILED
         if ctx.disk_stop is not None:
             ctx.breach_message = ctx.disk_stop  # it says "disk full: ..." itself
@@ -277,7 +271,7 @@ class Training:
                 ctx.breach_message = f"stalled: {stall.message}"
                 log.warning("%s; uploading what exists, then stopping the trainer", stall.message)
                 ctx.events.publish("stall", message=stall.message)
-                await self._save_now()
+                await ctx.save_now()
                 return Reason.STALLED
         wrong_box = await self._observed(self.sizing.sample(), None)
         if wrong_box is not None:
@@ -347,12 +341,6 @@ class Training:
             paths.append(ctx.run_dir / "train.log")
         return paths
 
-    async def _save_now(self) -> None:
-        ctx = self.ctx
-        if ctx.sync is not None and ctx.run_dir is not None:
-            epoch = ctx.status.completed_epochs if ctx.status else None
-            await ctx.sync.save_now(ctx.run_dir, epoch)
-
     async def _check_disk(self) -> str | None:
         """After an epoch: make room for the next checkpoint, or say why the run must stop."""
         ctx = self.ctx
@@ -365,67 +353,6 @@ class Training:
             is_verified=sync.is_verified if sync is not None else (lambda _p: False),
         )
         return verdict.stop_message
-
-    # ------------------------------------------------------------------ preemption
-
-    async def _after_preemption(self) -> bool:
-        """The trainer was stopped after a notice: get ``last.pt`` off the box, record the
-        preemption (the next boot resumes), then wait for the box to go. True: the box survived
-        the notice, resume here; False: the agent exits (SIGTERM notice, or asked to)."""
-        ctx = self.ctx
-        notice = ctx.notice
-        ctx.state.preempted = {
-            "at": ctx.clock(),
-            "source": notice.source if notice else "?",
-            "message": notice.message if notice else "",
-        }
-        ctx.save()
-        if ctx.sync is not None:
-            await self._save_now()
-            await ctx.sync.drain(PREEMPT_UPLOAD_S)
-        ctx.save()
-        saved = ctx.sync.verified_remote("weights/last.pt") if ctx.sync is not None else None
-        if saved is not None:
-            what = f"last.pt saved (epoch {saved.epoch}, verified on the target)"
-        elif ctx.sync is None:
-            what = "no [sync] target: last.pt stays on this box only"
-        else:
-            what = "last.pt could NOT be saved to the target (see the sync errors above)"
-        (log.warning if saved is not None else log.error)("preempted: %s", what)
-        if notice is None or notice.source == "sigterm":
-            log.warning("preempted: the agent exits and the next boot resumes")
-            return False
-        wait = PREEMPT_SURVIVAL_S
-        if notice.action_at is not None:
-            wait = max(wait, notice.action_at - ctx.clock() + 120.0)
-        log.warning("preempted: waiting up to %.0fs for the box to go", wait)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctx.flags.shutdown.wait(), wait)
-        if ctx.flags.shutdown.is_set():
-            return False
-        log.warning("the box survived the preemption notice; resuming training on it")
-        ctx.flags.preempt.clear()
-        ctx.notice = None
-        return True
-
-    def _start_watchers(self) -> None:
-        """Preemption watchers (AWS/GCP metadata) for the job's lifetime on this box."""
-        ctx = self.ctx
-        if ctx.watcher is not None:
-            return
-        sources = detect(ctx.job.preemption)
-        if not sources:
-            return
-
-        def on_notice(notice: Notice) -> None:
-            ctx.notice = notice
-            ctx.flags.preempt.set()
-
-        ctx.watcher = PreemptionWatcher(
-            ctx.job.preemption, sources, on_notice=on_notice, clock=ctx.clock
-        )
-        log.info("watching for preemption notices: %s", ", ".join(sources))
-        ctx.spawn(ctx.watcher.run(), "preemption")
 
     # ------------------------------------------------------------------ reading the run
 
