@@ -571,7 +571,7 @@ def test_history_serves_the_rows_as_strict_json() -> None:
 
 
 def test_the_page_is_served_with_its_security_headers() -> None:
-    expected = resources.files("agent").joinpath("static", "index.html").read_bytes()
+    expected = resources.files("agent.status").joinpath("static", "index.html").read_bytes()
 
     async def main() -> None:
         async with (
