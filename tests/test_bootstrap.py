@@ -43,7 +43,12 @@ MARK = "LIBREYOLO_TEST_BOOTSTRAP_MARK"
 # The paths the docs use on a box, and what they become in a test.
 BOX_PATHS = ("/opt/libreyolo-agent", "/etc/libreyolo-agent", "/var/lib/libreyolo-agent")
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+# One worker builds the module fixtures (a git repo, a venv) and runs every test of the file
+# (the README's test command distributes with `--dist loadgroup`).
+pytestmark = [
+    pytest.mark.skipif(shutil.which("git") is None, reason="needs git"),
+    pytest.mark.xdist_group("bootstrap"),
+]
 
 
 # ------------------------------------------------------------------ the start lines of the docs

@@ -27,6 +27,10 @@ import pytest
 from tests.fakes.hub import run_fake_hub
 from tests.fakes.torch_index import CPU_PAGES, cpu_index
 
+#: One worker builds this file's module fixture (a real install) and runs every test using it;
+#: the README's test command distributes with `--dist loadgroup`.
+pytestmark = pytest.mark.xdist_group("install")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL = REPO_ROOT / "install.sh"
 BOOTSTRAP = REPO_ROOT / "scripts" / "bootstrap.sh"
@@ -209,6 +213,7 @@ def test_a_second_install_changes_nothing(installed: tuple[Path, list[str]]) -> 
 
 
 @pytest.mark.timeout(3000)
+@pytest.mark.training
 def test_the_demo_job_runs_from_the_install(
     installed: tuple[Path, list[str]], tmp_path: Path
 ) -> None:

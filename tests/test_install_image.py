@@ -32,6 +32,10 @@ from packaging.requirements import Requirement
 from tests.fakes import wheels
 from tests.fakes.image_torch import image_venv, write_dist, write_torch
 
+#: One worker builds this file's module fixture (a real install) and runs every test using it;
+#: the README's test command distributes with `--dist loadgroup`.
+pytestmark = pytest.mark.xdist_group("install_image")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL = REPO_ROOT / "install.sh"
 AGENT_REQUIREMENTS = [

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import HANG_S
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "docs" / "recipes.md"
 JOBS = sorted((ROOT / "examples" / "jobs").glob("*.toml"))
@@ -127,7 +129,7 @@ def test_beam_image_lists_the_agents_requirements() -> None:
     assert beam_train.max_runtime_s() == beam_train.PLATFORM_TIMEOUT_S - 30 * 60
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.training
 @pytest.mark.parametrize("example", ["modal_train.py", "beam_train.py"])
 def test_serverless_example_runs_the_demo_job(example: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -136,7 +138,7 @@ def test_serverless_example_runs_the_demo_job(example: str, tmp_path: Path) -> N
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     state = json.loads((work / "state" / "state.json").read_text())

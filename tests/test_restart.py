@@ -42,7 +42,10 @@ from tests.test_daemon import (
 
 __all__ = ["dataset"]  # the module-scoped fixture, shared with test_daemon
 
-pytestmark = pytest.mark.training
+
+#: Epochs of the restart tests' runs: enough for an agent's death mid-run (after epoch 1 or 2,
+#: the trainer frozen with SIGSTOP until the test moves on) and a resume that trains more.
+EPOCHS = 4
 
 
 def job_toml(
@@ -126,6 +129,7 @@ def kill_tree(pid: int) -> None:
 # ------------------------------------------------------------------------------------ restarts
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_restart_during_training_resumes_training_and_never_reruns_a_failing_preflight(
     tmp_path: Path, dataset: Path
@@ -133,22 +137,33 @@ def test_restart_during_training_resumes_training_and_never_reruns_a_failing_pre
     # Seen: a restarted agent always started over at PREFLIGHT; its disk check failed (the live
     # trainer's checkpoints had filled the disk), and the failure path chose "destroy, nothing
     # to save" while the trainer kept training unsupervised.
-    job = make_job(tmp_path, dataset, epochs=8, extra="save_period = 1")
+    job = make_job(tmp_path, dataset, epochs=EPOCHS, extra="save_period = 1")
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        assert daemon.trainer is not None
+        # Frozen until the next agent has adopted it: a fast trainer cannot end in between.
+        os.kill(daemon.trainer.pid, signal.SIGSTOP)
         shutdown.set()
 
     code, first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
     assert code == 0 and first.trainer is not None and first.state.phase == Phase.TRAINING
     pid = first.trainer.pid
 
+    async def adopted(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.trainer is not None)
+        os.kill(pid, signal.SIGCONT)
+
     # The same job restarted with a preflight that fails on this machine (no GPU, no CPU
     # allowed): a restart in TRAINING must not run it at all.
     failing = dataclasses.replace(job, preflight=PreflightSection(enabled=True, allow_cpu=False))
-    code, second, _ = asyncio.run(run_daemon(failing, env))
+    try:
+        code, second, _ = asyncio.run(run_daemon(failing, env, adopted))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
     assert code == 0
     assert second.trainer is not None and second.trainer.pid == pid
     assert second.state.reason == Reason.COMPLETED
@@ -160,9 +175,10 @@ def test_restart_during_training_resumes_training_and_never_reruns_a_failing_pre
     assert "PREFLIGHT" not in history_phases(env.state_dir)
     assert state.teardown is not None and state.teardown["action"] == "destroy"
     synced = {p.name for p in (tmp_path / "synced" / "weights").glob("*.pt")}
-    assert {f"epoch_{n}.pt" for n in range(1, 9)} <= synced
+    assert {f"epoch_{n}.pt" for n in range(1, EPOCHS + 1)} <= synced
 
 
+@pytest.mark.training
 @requires_libreyolo
 @pytest.mark.parametrize("run_dir_recorded", [True, False])
 def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_epoch(
@@ -171,7 +187,7 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
     # Seen: after a kill of both (as in a reboot) the cause said "trainer lost: left no
     # status.json" although status.json existed, and 6 of 11 epoch files plus last/best never
     # reached the target. Now the run resumes from its own last.pt in the same run dir.
-    job = make_job(tmp_path, dataset, epochs=8, extra="save_period = 1")
+    job = make_job(tmp_path, dataset, epochs=EPOCHS, extra="save_period = 1")
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
     seen: dict[str, int] = {}
@@ -180,6 +196,8 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
         assert daemon.trainer is not None
         seen["pid"] = daemon.trainer.pid
+        # Frozen until the kill below: it dies mid-run however fast this machine trains.
+        os.kill(daemon.trainer.pid, signal.SIGSTOP)
         shutdown.set()
 
     code, _first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
@@ -193,7 +211,7 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
         state_path.write_text(json.dumps(data))
     run_dir = tmp_path / "runs" / "run1"
     killed_at = json.loads((run_dir / "status.json").read_text())["completed_epochs"]
-    assert killed_at >= 2
+    assert 2 <= killed_at < EPOCHS
 
     monkeypatch.setenv("LIBREYOLO_AGENT_BOOT_ID", "another-boot")  # a simulated reboot
     code, second, _ = asyncio.run(run_daemon(job, env))
@@ -206,14 +224,14 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
     assert second.run_dir == run_dir
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "completed" and status["start_epoch"] >= 3
-    assert second.status is not None and second.status.completed_epochs == 8
+    assert second.status is not None and second.status.completed_epochs == EPOCHS
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     epochs = [json.loads(line)["epoch"] for line in rows]
-    assert epochs == list(range(1, 9))
+    assert epochs == list(range(1, EPOCHS + 1))
     # Everything the run wrote is off the box, and the target's last.pt is the final one.
     synced_dir = tmp_path / "synced" / "weights"
     synced = {p.name for p in synced_dir.glob("*.pt")}
-    assert {f"epoch_{n}.pt" for n in range(1, 9)} <= synced
+    assert {f"epoch_{n}.pt" for n in range(1, EPOCHS + 1)} <= synced
     on_disk = {p.name for p in (run_dir / "weights").glob("*.pt")}
     assert "last.pt" in on_disk and on_disk <= synced, on_disk - synced
     assert sha256_file(synced_dir / "last.pt") == sha256_file(run_dir / "weights" / "last.pt")
@@ -221,6 +239,7 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
     assert second.sync.verify_result.sync_verified, second.sync.verify_result.missing
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
     tmp_path: Path, dataset: Path
@@ -230,14 +249,17 @@ def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
     old, new = tmp_path / "old", tmp_path / "new"
     synced = tmp_path / "synced"
     sections = f'[sync]\ntarget = "file://{synced}"\n'
-    job_old = tiny_job(old, dataset, epochs=6, sections=sections)
+    job_old = tiny_job(old, dataset, epochs=EPOCHS, sections=sections)
     shutdown = asyncio.Event()
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
+        assert daemon.trainer is not None
+        # Frozen while epoch 2 goes off the box: the box dies mid-run however fast it trains.
+        os.kill(daemon.trainer.pid, signal.SIGSTOP)
         await wait_for(
             lambda: daemon.sync is not None and (daemon.sync.last_synced_epoch or 0) >= 2
         )
-        assert daemon.trainer is not None
         kill_tree(daemon.trainer.pid)  # the box dies: trainer and agent at once
         shutdown.set()
 
@@ -245,7 +267,7 @@ def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
     remote_epoch = json.loads((synced / "status.json").read_text())["completed_epochs"]
     assert remote_epoch >= 2
 
-    job_new = tiny_job(new, dataset, epochs=6, sections=sections)
+    job_new = tiny_job(new, dataset, epochs=EPOCHS, sections=sections)
     code, daemon, _ = asyncio.run(run_daemon(job_new, Env(state_dir=new / "state")))
     assert code == 0
     assert daemon.state.reason == Reason.COMPLETED, daemon.state.cause
@@ -253,12 +275,13 @@ def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
     run_dir = new / "runs" / "run1"
     status = json.loads((run_dir / "status.json").read_text())
     assert status["start_epoch"] > 1, "resumed, not trained from scratch"
-    assert daemon.status is not None and daemon.status.completed_epochs == 6
+    assert daemon.status is not None and daemon.status.completed_epochs == EPOCHS
     assert sha256_file(synced / "weights" / "last.pt") == sha256_file(
         run_dir / "weights" / "last.pt"
     )
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_agent_killed_right_after_launch_never_starts_a_second_trainer(
     tmp_path: Path, dataset: Path
@@ -286,6 +309,7 @@ def test_agent_killed_right_after_launch_never_starts_a_second_trainer(
     assert not trainers_of(tmp_path / "runs")
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_agent_killed_while_sending_teardown_resumes_it_with_the_same_decision(
     tmp_path: Path, dataset: Path
@@ -307,6 +331,12 @@ def test_agent_killed_while_sending_teardown_resumes_it_with_the_same_decision(
     assert state.teardown is not None and state.teardown["action"] == decided
     assert state.teardown["confirmed"] is True
     assert "PREFLIGHT" not in [h.get("to") for h in state.history[-3:]]
+    # The state files of a whole run (two agents) are private (was test_state_files_are_private,
+    # a run of its own).
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    for name in ("state.json", "agent.log", "sync-ledger.json", "token", "trainer.log"):
+        mode = stat.S_IMODE((state_dir / name).stat().st_mode)
+        assert mode == 0o600, (name, oct(mode))
 
 
 def test_a_crash_loop_ends_in_a_gated_teardown_instead_of_another_restart(tmp_path: Path) -> None:
@@ -380,6 +410,7 @@ def test_a_preflight_failure_with_checkpoints_on_disk_is_not_nothing_to_save(
 # ------------------------------------------------------------------------------------ stop
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_stop_does_not_spin_the_agent_while_the_trainer_winds_down(
     tmp_path: Path, dataset: Path
@@ -444,18 +475,6 @@ def test_the_demo_never_touches_the_state_dir_the_environment_names(tmp_path: Pa
 
 
 # ------------------------------------------------------------------------------------ files
-
-
-@requires_libreyolo
-def test_state_files_are_private(tmp_path: Path, dataset: Path) -> None:
-    job = make_job(tmp_path, dataset, epochs=1)
-    env = env_for(tmp_path)
-    code, _, _ = asyncio.run(run_daemon(job, env))
-    assert code == 0
-    assert stat.S_IMODE(env.state_dir.stat().st_mode) == 0o700
-    for name in ("state.json", "agent.log", "sync-ledger.json", "token", "trainer.log"):
-        mode = stat.S_IMODE((env.state_dir / name).stat().st_mode)
-        assert mode == 0o600, (name, oct(mode))
 
 
 def test_an_unreadable_state_file_is_a_clear_error_not_a_guess(tmp_path: Path) -> None:
