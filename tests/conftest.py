@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # pyproject's `timeout` (180 s) is sized for tests that do not train; the training ones get
+    # pyproject's `timeout` (300 s) is sized for tests that do not train; the training ones get
     # a cap of their own, so their verdict never depends on the machine's load.
     for item in items:
         if item.get_closest_marker("training") and not item.get_closest_marker("timeout"):

@@ -16,6 +16,7 @@ import pytest
 from agent.gpu.health import GpuSample
 from agent.state import Phase, Reason
 from agent.watch.sizing import SizingWatch
+from tests.support import HANG_S, wait_for
 from tests.test_daemon_loop import make, started, write_status
 
 
@@ -46,10 +47,11 @@ def test_systemd_hears_ready_each_phase_and_stopping(
     async def main() -> int:
         task = asyncio.create_task(daemon.run())
         await started(daemon)
-        await asyncio.sleep(0.3)  # some watchdog pings while training
+        # Some watchdog pings while training (waited for: a loaded machine pings later).
+        await wait_for(lambda: sum("WATCHDOG=1" in m for m in messages) >= 2)
         write_status(trainer.run_dir, "completed", 10)
         trainer.exit(0)
-        return await asyncio.wait_for(task, 10)
+        return await asyncio.wait_for(task, HANG_S)
 
     try:
         assert asyncio.run(main()) == 0
@@ -110,7 +112,7 @@ def test_sizing_verdict_and_projection_are_served_and_stop_a_wrong_box(
             clock.now += 10.0
             await asyncio.sleep(0.03)
         write_timed_status(trainer.run_dir, 1)
-        return await asyncio.wait_for(task, 20)  # the verdict after epoch 1 stops the run
+        return await asyncio.wait_for(task, HANG_S)  # the verdict after epoch 1 stops the run
 
     assert asyncio.run(main()) == 0
     assert daemon.state.reason == Reason.PREFLIGHT_FAILED

@@ -185,7 +185,9 @@ def write_slowly(
                 pause(i)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """True once ``cond`` holds; False after ``timeout`` seconds (a hang: under load an inotify
+    event comes late, never lost)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():

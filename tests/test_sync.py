@@ -144,7 +144,7 @@ async def running(engine: SyncEngine, sink: FaultySink | None = None) -> AsyncIt
         await engine.close()
 
 
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
+async def until(check: Callable[[], object], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"

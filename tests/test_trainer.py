@@ -60,7 +60,7 @@ async def launch(tmp_path: Path, reaper: list[tuple[int, float]], **opts: object
     return trainer
 
 
-async def eventually(check: Callable[[], T | None], timeout: float = 15.0) -> T:
+async def eventually(check: Callable[[], T | None], timeout: float = 60.0) -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = check()
