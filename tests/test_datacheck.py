@@ -242,7 +242,6 @@ def test_doctor_is_skipped_with_a_warning_without_libreyolo(
 # The real doctor on local datasets
 
 
-@pytest.mark.training
 @requires_libreyolo
 def test_doctor_passes_a_healthy_local_dataset(tmp_path: Path) -> None:
     yaml_path = make_dataset(tmp_path / "ds")
@@ -264,7 +263,6 @@ def _no_val_images(root: Path) -> None:
     shutil.rmtree(root / "images" / "val")
 
 
-@pytest.mark.training
 @requires_libreyolo
 @pytest.mark.parametrize(
     ("breakage", "check_id"),
@@ -292,7 +290,6 @@ def test_doctor_stops_a_broken_local_dataset(
 # run_doctor and its report
 
 
-@pytest.mark.training
 @requires_libreyolo
 def test_run_doctor_on_a_missing_yaml(tmp_path: Path) -> None:
     with pytest.raises(StagingError, match=r"libreyolo doctor could not check .* \(exit 3\)"):

@@ -408,7 +408,6 @@ def test_hub_error_mapping(exc: BaseException, retryable: bool, text: str) -> No
 # The doctor gate (real `libreyolo doctor`, a few seconds each)
 
 
-@pytest.mark.training
 @requires_libreyolo
 def test_doctor_gate_passes_a_healthy_dataset_with_warnings(hub: FakeHub, tmp_path: Path) -> None:
     src = yolo_dataset(tmp_path / "src")
@@ -423,7 +422,6 @@ def test_doctor_gate_passes_a_healthy_dataset_with_warnings(hub: FakeHub, tmp_pa
     assert any(w.startswith("balance.class_few_instances: ") for w in result.warnings)
 
 
-@pytest.mark.training
 @requires_libreyolo
 def test_doctor_gate_stops_a_broken_dataset(hub: FakeHub, tmp_path: Path) -> None:
     src = yolo_dataset(tmp_path / "src", broken=True)

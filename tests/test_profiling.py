@@ -237,7 +237,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data, Path(result["last_weights"])
 
 
-@pytest.mark.training
 @requires_libreyolo
 def test_real_profiler_without_usable_weights_says_so(tmp_path: Path) -> None:
     # CI's case: a from-scratch job by model name on a box that may not download.

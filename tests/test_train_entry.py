@@ -19,8 +19,7 @@ from agent import demo
 from agent.config.jobfile import parse_job
 from agent.trainer.process import build_argv, uses_python_api
 from agent.trainer.train_entry import _with_devices, split_device
-
-pytestmark = pytest.mark.training
+from tests.support import HANG_S
 
 
 def test_split_device_builds_on_the_cpu_and_keeps_the_list() -> None:
@@ -75,7 +74,7 @@ def _entry(tmp_path: Path, device: str) -> subprocess.CompletedProcess[str]:
         ],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=HANG_S,
         cwd=tmp_path,
     )
 
@@ -90,6 +89,7 @@ def test_a_device_list_reaches_libreyolos_ddp_launcher(tmp_path: Path) -> None:
     assert "device='0,1'" in result["message"]
 
 
+@pytest.mark.training
 def test_the_launcher_trains_like_the_cli_for_a_single_device(tmp_path: Path) -> None:
     proc = _entry(tmp_path, "cpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
