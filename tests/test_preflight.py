@@ -237,10 +237,11 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
         }
         ours = {m for m in imported if m == "agent" or m.startswith("agent.")}
         # agent.hub is the one home of the Hub client (a base module: it imports config and text);
-        # agent.util.threads, agent.util.text and agent.util.disk are base helpers that import
-        # nothing of ours;
+        # agent.util.threads, agent.util.text, agent.util.disk and agent.util.procs are base
+        # helpers that import nothing of ours;
         # agent.gpu.nvml and agent.gpu.nvmlhost (the NVML host process) import only each other;
-        # agent.sinks is where checkpoints go (an outside system, a lower layer: the canary).
+        # agent.sinks (and its make_sink, in agent.sinks.target) is where checkpoints go (an
+        # outside system, a lower layer: the canary).
         allowed = {
             "agent.config.model",
             "agent.hub",
@@ -248,9 +249,11 @@ def test_preflight_parts_import_only_lower_parts_and_config() -> None:
             "agent.gpu.nvmlhost",
             "agent.providers",
             "agent.sinks",
+            "agent.sinks.target",
             "agent.util.threads",
             "agent.util.text",
             "agent.util.disk",
+            "agent.util.procs",
         } | {f"agent.preflight.{lower}" for lower in LAYERS[:i]}
         assert ours <= allowed, f"agent/preflight/{name}.py imports {sorted(ours - allowed)}"
         assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))

@@ -8,7 +8,6 @@ only the tail is kept.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -18,12 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+# KILL_GRACE_S and kill_group are also imported from here (preflight, warmstart, the driver).
+from agent.util.procs import KILL_GRACE_S as KILL_GRACE_S
+from agent.util.procs import finish_readers, stop_group
+from agent.util.procs import kill_group as kill_group
+
 log = logging.getLogger(__name__)
 
 #: The probe script, run by path (it sits beside this package, in ``agent/``).
 PROBE_PATH = Path(__file__).parent / "probe.py"
-#: Seconds to wait for a killed probe to go away before giving up on it.
-KILL_GRACE_S = 5.0
 #: The probe's stage lines and document version (``agent/preflight/probe.py``, which this package
 # does
 #: not import: it runs in a child).
@@ -112,17 +114,10 @@ async def run_probe(
             timed_out = True
             warn_hung(stages, timeout_s)
     finally:
-        # Always, also after a normal exit: NCCL workers left behind share the group.
-        kill_group(proc.pid)
-        if timed_out or proc.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                # A process stuck in the driver (state D) may never go; do not wait for it.
-                await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
-        _, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
-        for task in pending:
-            task.cancel()
-        # Also collects the readers' own errors, so none is left "never retrieved".
-        await asyncio.gather(out_task, err_task, return_exceptions=True)
+        # Always, also after a normal exit: NCCL workers left behind share the group. A probe
+        # stuck in the driver (state D) may never go: the wait is bounded.
+        await stop_group(proc, sig=signal.SIGKILL)
+        await finish_readers(out_task, err_task)
     seconds = time.monotonic() - t0
     ok_read = out_task.done() and not out_task.cancelled() and out_task.exception() is None
     stdout = out_task.result() if ok_read else b""
@@ -153,9 +148,3 @@ def warn_hung(stages: list[str], timeout_s: float) -> None:
         stages[-1] if stages else "start",
         timeout_s,
     )
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL a process group that may already be gone."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)

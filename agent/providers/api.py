@@ -15,6 +15,7 @@ unconfirmed with what the last read said. Nothing else counts as confirmed.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -266,10 +267,11 @@ def _json(raw: bytes) -> Any:
         return None
 
 
-class ApiProvider:
-    """The teardown of an HTTP provider: subclasses say how to find the instance, read it and
-    send an action (:meth:`_locate`, :meth:`_read`, :meth:`_send`); this class retries, reads
-    back and words the results."""
+class ApiProvider(abc.ABC):
+    """The teardown of an HTTP provider: subclasses say where the key is (:meth:`_key`,
+    :meth:`_key_fix`) and how to find the instance, read it and send an action
+    (:meth:`_locate`, :meth:`_read`, :meth:`_send`); this class retries, reads back and words
+    the results."""
 
     name: str = "api"
     can_stop: bool = True
@@ -289,21 +291,26 @@ class ApiProvider:
 
     # ------------------------------------------------------------------ subclass hooks
 
+    @abc.abstractmethod
     def _key(self) -> tuple[str, str]:
         """``(variable, value)`` of the API key; raises ``config`` naming what to set."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _key_fix(self, variable: str) -> str:
         """What to do when the key ``variable`` is refused (401/403)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     async def _locate(self, api: Client) -> tuple[str, str, Reading | None]:
         """This instance: ``(id, source, reading)``; ``reading`` when finding it read it."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     async def _read(self, api: Client, instance_id: str, deadline: float | None) -> Reading:
         raise NotImplementedError
 
+    @abc.abstractmethod
     async def _send(self, api: Client, action: TeardownAction, instance_id: str) -> Sent:
         raise NotImplementedError
 

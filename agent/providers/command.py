@@ -15,11 +15,9 @@ the environment redacted, cut to one line) is part of the result.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import tempfile
 from typing import IO
 
@@ -33,6 +31,7 @@ from agent.providers import (
     finished,
     redact,
 )
+from agent.util.procs import stop_group
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class CommandProvider:
         try:
             return await asyncio.wait_for(proc.wait(), self.timeout_s), False
         except TimeoutError:
-            return await self._kill(proc), True
+            return await stop_group(proc, grace_s=self.kill_grace_s), True
 
     async def confirm(self, action: TeardownAction) -> TeardownResult:
         if action == "keep":
@@ -168,17 +167,6 @@ class CommandProvider:
     async def read_back(self, action: TeardownAction) -> TeardownResult | None:
         # Nothing can be read back: a restarted agent runs the command again.
         return None
-
-    async def _kill(self, proc: asyncio.subprocess.Process) -> int | None:
-        """SIGTERM to the command's process group, SIGKILL after the grace period."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-            try:
-                return await asyncio.wait_for(proc.wait(), self.kill_grace_s)
-            except TimeoutError:
-                continue
-        return proc.returncode
 
     def _show(self, argv: tuple[str, ...]) -> str:
         return self._clean(" ".join(argv), limit=200)

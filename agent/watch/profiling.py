@@ -29,13 +29,13 @@ rather than the raw trace: the same verdict, without analysing the trace again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import logging
 import os
 import pickle
 import re
+import signal
 import sys
 import time
 import zipfile
@@ -46,7 +46,7 @@ from typing import Any
 
 from agent.config.model import Job
 from agent.install.libreyolo import find_libreyolo
-from agent.preflight.runner import KILL_GRACE_S, kill_group
+from agent.util.procs import finish_readers, stop_group
 from agent.util.text import one_line
 from agent.watch.sizing import Verdict, profiler_verdict
 
@@ -378,14 +378,8 @@ async def _run_child(argv: list[str], timeout_s: float, cwd: Path) -> _Child:
             timed_out = True
     finally:
         # Always: dataloader workers left behind share the group.
-        kill_group(proc.pid)
-        if proc.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
-        _, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(out_task, err_task, return_exceptions=True)
+        await stop_group(proc, sig=signal.SIGKILL)
+        await finish_readers(out_task, err_task)
     ok = out_task.done() and not out_task.cancelled() and out_task.exception() is None
     stdout = out_task.result().decode("utf-8", "replace") if ok else ""
     error = scan.error.decode("utf-8", "replace")
