@@ -300,6 +300,7 @@ def test_secrets_from_the_environment_never_reach_a_handler(tmp_path: Path) -> N
     try:
         log.warning("token %s and key %s", secret, key)
         log.error("plain " + secret)
+        log.warning("a header: Authorization: Bearer someoneElsesToken0123")  # by its shape
         try:
             raise RuntimeError(f"Authorization: Bearer {key}")
         except RuntimeError:
@@ -313,3 +314,4 @@ def test_secrets_from_the_environment_never_reach_a_handler(tmp_path: Path) -> N
     assert secret not in text and key not in text
     assert "token <HF_TOKEN> and key <VAST_API_KEY>" in text
     assert "Bearer <VAST_API_KEY>" in text  # the traceback too
+    assert "someoneElsesToken0123" not in text and "Authorization: Bearer <secret>" in text

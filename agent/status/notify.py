@@ -80,12 +80,6 @@ class _Notice:
 # Redaction
 
 
-def url_secrets(url: str) -> list[str]:
-    """The forms in which the webhook URL shows up in an error message
-    (:func:`agent.util.redact.url_forms`)."""
-    return redaction.url_forms(url)
-
-
 class Redactor:
     """Every form of every secret (and of the webhook URL) out of a notice, as :data:`REDACTED`,
     and every other secret the agent knows or recognises (:mod:`agent.util.redact`)."""
@@ -246,7 +240,7 @@ class Notifier:
         self.cfg = cfg
         self.job = job
         self.retry = retry or Retry()
-        self._redact = Redactor([*secrets, *url_secrets(cfg.webhook)])
+        self._redact = Redactor([*secrets, *redaction.url_forms(cfg.webhook)])
         self._queue: deque[_Notice] = deque()
         self._queue_size = max(1, queue_size)
         self._in_flight: _Notice | None = None
