@@ -315,3 +315,22 @@ def test_secrets_from_the_environment_never_reach_a_handler(tmp_path: Path) -> N
     assert "token <HF_TOKEN> and key <VAST_API_KEY>" in text
     assert "Bearer <VAST_API_KEY>" in text  # the traceback too
     assert "someoneElsesToken0123" not in text and "Authorization: Bearer <secret>" in text
+
+
+def test_a_bad_format_string_is_written_without_its_arguments(tmp_path: Path) -> None:
+    # The redaction filter formats every record; a mistake in one must not raise from the
+    # logging call, nor let its (unredactable) arguments through.
+    path = tmp_path / "agent.log"
+    handler = logging.FileHandler(path)
+    logutil.install(handler)
+    log = logging.getLogger("agent.test.badformat")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("count %d", "Bearer someoneElsesToken0123")
+    finally:
+        log.removeHandler(handler)
+        logutil.uninstall(handler)
+        handler.close()
+    text = path.read_text()
+    assert "count %d" in text and "someoneElsesToken0123" not in text

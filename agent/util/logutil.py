@@ -183,7 +183,11 @@ class RedactFilter(logging.Filter):
         remember(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: the handler reports it (without the args)
+            record.args = None
+            message = str(record.msg)
         cleaned = redact_text(message)
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
