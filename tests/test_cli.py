@@ -477,11 +477,11 @@ def test_a_wrong_token_gets_the_agents_explanation(tmp_path: Path) -> None:
 
 def test_url_and_state_dir_options_reach_the_agent(tmp_path: Path) -> None:
     with agent_endpoint(tmp_path) as agent:
-        assert agent.status.server is not None
+        assert agent.server is not None
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
         (elsewhere / "token").write_text(CONTROL_TOKEN + "\n", encoding="utf-8")
-        url = f"http://127.0.0.1:{agent.status.server.bound_port}"
+        url = f"http://127.0.0.1:{agent.server.bound_port}"
         proc = cli(tmp_path, "extend", "90m", "--state-dir", str(elsewhere), "--url", url)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("deadline extended by 1h30m:")
@@ -677,8 +677,8 @@ def test_watch_stops_when_the_agent_says_done_and_prints_the_state_files_record(
 ) -> None:
     done = status_doc("DONE", 10, reason="completed", teardown=TEARDOWN)
     with serving(tmp_path, Docs(status_doc(epoch=9), done)) as agent:
-        assert agent.status.server is not None and agent.status.server.bound_port is not None
-        port = agent.status.server.bound_port
+        assert agent.server is not None and agent.server.bound_port is not None
+        port = agent.server.bound_port
         save_state(tmp_path / "state", Phase.DONE, port, reason=Reason.COMPLETED, teardown=TEARDOWN)
         proc = cli(tmp_path, "status", "--watch", "--interval", "0.05")
     assert proc.returncode == 0, proc.stderr
@@ -691,10 +691,8 @@ def test_watch_stops_when_the_agent_says_done_and_prints_the_state_files_record(
 def test_watch_redraws_on_a_terminal_and_prints_plain_lines_on_a_dumb_one(tmp_path: Path) -> None:
     docs = Docs(status_doc(epoch=5), status_doc("DONE", 10, reason="completed"))
     with serving(tmp_path, docs) as agent:
-        assert agent.status.server is not None and agent.status.server.bound_port is not None
-        save_state(
-            tmp_path / "state", Phase.DONE, agent.status.server.bound_port, reason=Reason.COMPLETED
-        )
+        assert agent.server is not None and agent.server.bound_port is not None
+        save_state(tmp_path / "state", Phase.DONE, agent.server.bound_port, reason=Reason.COMPLETED)
         for term, fancy in (("dumb", False), ("xterm", True)):
             docs.docs = [status_doc(epoch=5), status_doc("DONE", 10, reason="completed")]
             leader, follower = pty.openpty()
