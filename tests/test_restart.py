@@ -49,9 +49,17 @@ EPOCHS = 4
 
 
 def job_toml(
-    tmp: Path, data: Path, *, epochs: int, extra: str = "", imgsz: int = 64, save_period: int = 1
+    tmp: Path,
+    data: Path,
+    *,
+    epochs: int,
+    extra: str = "",
+    imgsz: int = 64,
+    save_period: int = 1,
+    train: str = "",
 ) -> Path:
-    """The tiny CPU job as a file, for the agent run as a real process (``libreyolo-agent run``)."""
+    """The tiny CPU job as a file, for the agent run as a real process (``libreyolo-agent run``).
+    ``train`` adds lines to [train], ``extra`` to [sync]."""
     path = tmp / "job.toml"
     path.write_text(
         f"""
@@ -68,6 +76,7 @@ batch = 4
 workers = 0
 device = "cpu"
 save_period = {save_period}
+{train}
 stop_grace = "30s"
 kill_grace = "5s"
 [preflight]
