@@ -15,7 +15,7 @@ from agent.sync.engine import SyncEngine
 from agent.sync.ledger import ItemKind
 from agent.sync.uploads import Item
 from tests.fakes.scripted_trainer import write_checkpoint
-from tests.test_sync import FaultySink, make_item, running, sync_cfg, upload_all
+from tests.test_sync import FaultySink, make_item, running, sync_cfg, until, upload_all
 
 
 class CountingSink(FaultySink):
@@ -105,7 +105,7 @@ def test_changed_only_reads_back_a_pending_entry(tmp_path: Path) -> None:
             sink.fail["weights/last.pt"] = 10_000
             sink.fail_retryable = False
             engine.submit(item)
-            await asyncio.sleep(0.2)
+            await until(lambda: engine.failures)  # its upload was tried and failed
             sink.stats.clear()
             result = await engine.verify_all(changed_only=True)
             return result, list(sink.stats)
