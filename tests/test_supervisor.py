@@ -20,6 +20,7 @@ import pytest
 
 from agent.state import Phase, Reason, StateStore
 from agent.supervisor import LOG_FILE, PID_FILE, Policy, read_record
+from tests.support import HANG_S
 from tests.test_daemon import dataset, requires_libreyolo
 from tests.test_restart import agent_env, job_toml, kill_tree, trainers_of
 
@@ -420,13 +421,13 @@ def test_sigkill_of_the_agent_mid_training_restarts_it_onto_the_same_trainer(
                     return state.trainer.pid, state.agent_pid or 0
             return None
 
-        trainer_pid, agent_pid = wait_until(training, timeout=150)
+        trainer_pid, agent_pid = wait_until(training, timeout=HANG_S)
         rec = read_record(state_dir)
         assert rec is not None and rec["agent_pid"] == agent_pid
         assert psutil.Process(agent_pid).ppid() == proc.pid  # the supervisor's child
         os.kill(agent_pid, signal.SIGKILL)
 
-        _, err = proc.communicate(timeout=170)
+        _, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err + log_path.read_text()[-3000:]
 
     rec = read_record(state_dir)
