@@ -194,7 +194,7 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
             KEY not in (tmp_path / "first.err").read_text() + (tmp_path / "second.err").read_text()
         )
     # Said, not stormed: one "NOT confirmed" notice per agent for all its failed attempts.
-    eventually(lambda: any(b["event"]["kind"] == "done" for b in bodies), timeout=30)
+    eventually(lambda: any(b["event"]["kind"] == "done" for b in bodies))
     opened = [b for b in bodies if b["event"]["data"].get("open")]
     assert len(opened) == 2 < td["attempts"], [b["text"] for b in bodies]
     assert all(NOT_CONFIRMED in b["text"] for b in opened)
