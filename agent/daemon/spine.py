@@ -100,6 +100,8 @@ class Daemon:
     box_fault = _Shared[str | None]()
     breach_message = _Shared[str | None]()
     disk_stop = _Shared[str | None]()
+    preflight_report = _Shared[dict[str, Any] | None]()
+    staging_report = _Shared[dict[str, Any] | None]()
     poll_interval_s = _Shared[float]()
     stage_hook = _Shared[staging.StageHook | None]()
     provider_factory = _Shared[Callable[[TeardownSection, Env], Provider]]()
