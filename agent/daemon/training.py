@@ -110,32 +110,10 @@ class Training:
         ctx = self.ctx
         flags = ctx.flags
         self.exit_code = None
-        launched_at = ctx.clock()
-        if ctx.trainer is not None and ctx.trainer.record is ctx.state.trainer:
-            # Launched by this agent (a resume, in relaunch.resume_or_not): follow it as our child.
-            # Re-attaching would lose its exit code and leave it a zombie nobody reaps.
-            launched_at = ctx.state.trainer.started_at
-        elif ctx.state.trainer is not None:
-            launched_at = ctx.state.trainer.started_at
-            ctx.trainer = None if ctx.rebooted else ctx.launcher.attach(ctx.state.trainer)
-            if ctx.trainer is None:
-                why = "the box rebooted" if ctx.rebooted else "it is gone"
-                log.warning(
-                    "trainer pid=%d from the previous agent: %s; reading what its run wrote",
-                    ctx.state.trainer.pid,
-                    why,
-                )
-                self._find_dead_run_dir()
-                if ctx.run_dir is not None:
-                    ctx.status = read_status(ctx.run_dir) or ctx.status
-                return None
-        else:
-            failed = await launch(ctx)
-            if failed is not None:
-                self.outcome = None
-                return LaunchFailed(failed)
-            assert ctx.state.trainer is not None
-            launched_at = ctx.state.trainer.started_at
+        started = await self._trainer_to_follow()
+        if started is None or isinstance(started, LaunchFailed):
+            return started  # the previous agent's trainer is gone, or none could start
+        launched_at = started
         trainer = ctx.trainer
         assert trainer is not None
         if ctx.progress is not None:
@@ -196,6 +174,37 @@ class Training:
         self.exit_code = trainer.exit_code
         await self._follow(launched_at)
         return stop_reason
+
+    async def _trainer_to_follow(self) -> float | LaunchFailed | None:
+        """Make ``ctx.trainer`` the trainer to follow and return when it was launched: this
+        agent's own (a resume), the previous agent's (re-attached) or a new one. None: the
+        previous agent's trainer is gone (what its run wrote is read); or why no trainer could
+        start."""
+        ctx = self.ctx
+        if ctx.trainer is not None and ctx.trainer.record is ctx.state.trainer:
+            # Launched by this agent (a resume, in relaunch.resume_or_not): follow it as our child.
+            # Re-attaching would lose its exit code and leave it a zombie nobody reaps.
+            return ctx.state.trainer.started_at
+        if ctx.state.trainer is not None:
+            ctx.trainer = None if ctx.rebooted else ctx.launcher.attach(ctx.state.trainer)
+            if ctx.trainer is None:
+                why = "the box rebooted" if ctx.rebooted else "it is gone"
+                log.warning(
+                    "trainer pid=%d from the previous agent: %s; reading what its run wrote",
+                    ctx.state.trainer.pid,
+                    why,
+                )
+                self._find_dead_run_dir()
+                if ctx.run_dir is not None:
+                    ctx.status = read_status(ctx.run_dir) or ctx.status
+                return None
+            return ctx.state.trainer.started_at
+        failed = await launch(ctx)
+        if failed is not None:
+            self.outcome = None
+            return LaunchFailed(failed)
+        assert ctx.state.trainer is not None
+        return ctx.state.trainer.started_at
 
     async def _wait_turn(
         self,
