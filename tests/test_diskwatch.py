@@ -109,7 +109,7 @@ def test_enough_room_touches_nothing(tmp_path: Path) -> None:
 def test_prunes_oldest_epoch_first_by_number_until_there_is_room(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.daemon")
+    caplog.set_level(logging.INFO, logger="agent.watch.disk")
     run = make_run(tmp_path, {2: 100 * MiB, 3: 100 * MiB, 10: 100 * MiB, 20: 100 * MiB})
     need = need_bytes(run)  # (100 + 100 + 100) MiB x 2.4 = 720 MiB
     # 600 MiB used: free = capacity - 600 MiB; two removals bring it to exactly what is needed.
@@ -130,7 +130,7 @@ def test_prunes_oldest_epoch_first_by_number_until_there_is_room(
 def test_unverified_last_and_best_are_kept_and_the_stop_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.daemon")
+    caplog.set_level(logging.INFO, logger="agent.watch.disk")
     run = make_run(tmp_path, {1: 100 * MiB, 2: 100 * MiB, 3: 100 * MiB})
     need = need_bytes(run)
     disk = FakeDisk(tmp_path, capacity=need)  # free = need - 500 MiB
