@@ -84,7 +84,11 @@ DOC: dict[str, Any] = {
         "reserve_s": 300.0,
         "stall_timeout_s": 1200.0,
     },
-    "supervision": {"resumes": 1, "stall": {"quiet_s": 42.0, "threshold_s": 600.0}},
+    "supervision": {
+        "resumes": [{"at": NOW - 900, "epoch": 4, "kind": "crash", "message": "CUDA error"}],
+        "max_restarts": 3,
+        "stall": {"quiet_s": 42.0, "threshold_s": 600.0},
+    },
     "steering": {"extended_s": 0.0, "hold": None, "actions": []},
     "money": {
         "price_usd_per_hour": 3.48,
@@ -121,7 +125,7 @@ def test_render_gives_the_documents_values_exactly() -> None:
     text = render(DOC).decode()
     got = samples(text)
     assert got[(P + "up", ())] == 1
-    assert got[(P + "job_info", (("job", "run1"),))] == 1
+    assert got[(P + "job_info", (("job_name", "run1"),))] == 1
     assert got[(P + "epoch", ())] == 12
     assert got[(P + "total_epochs", ())] == 100
     assert got[(P + "eta_seconds", ())] == 880.5
@@ -131,7 +135,9 @@ def test_render_gives_the_documents_values_exactly() -> None:
     assert got[(P + "metric", (("name", "mAP50"),))] == 0.62
     assert got[(P + "best_metric", (("name", "mAP50_95"),))] == 0.41
     assert got[(P + "learning_rate", (("group", "pg0"),))] == 0.01
-    assert got[(P + "seconds_since_progress", ())] == 42.0
+    assert got[(P + "time_since_progress_seconds", ())] == 42.0
+    assert got[(P + "resumes_total", ())] == 1
+    assert got[(P + "restarts_remaining", ())] == 2
     assert got[(P + "uploads_verified_total", ())] == 7
     assert got[(P + "uploads_failed_total", ())] == 2
     assert got[(P + "uploaded_bytes_total", ())] == 123_456_789
@@ -140,7 +146,7 @@ def test_render_gives_the_documents_values_exactly() -> None:
     assert got[(P + "cost_usd", ())] == 1.74
     assert got[(P + "budget_usd", ())] == 50.0
     # The budget runs out before max_runtime: that is the deadline.
-    assert got[(P + "seconds_to_deadline", ())] == 1800.0
+    assert got[(P + "time_to_deadline_seconds", ())] == 1800.0
     assert got[(P + "deadline_timestamp_seconds", (("limit", "stop_training"),))] == NOW + 1500
     assert got[(P + "trainer_alive", ())] == 1
     phases = {dict(k[1])["phase"]: v for k, v in got.items() if k[0] == P + "phase"}
@@ -167,10 +173,10 @@ def test_a_value_the_document_lacks_is_left_out_never_invented() -> None:
         "cost_usd",
         "train_loss",
         "metric",
-        "seconds_to_deadline",
+        "time_to_deadline_seconds",
         "deadline_timestamp_seconds",
         "uploaded_bytes_total",
-        "seconds_since_progress",
+        "time_since_progress_seconds",
         "epoch",
         "trainer_alive",
     ):
@@ -191,10 +197,10 @@ def test_a_diverged_loss_is_exposed_as_nan() -> None:
     assert math.isnan(samples(render(doc).decode())[(P + "train_loss", ())])
 
 
-def test_seconds_to_deadline_counts_from_now_when_the_document_has_no_now() -> None:
+def test_time_to_deadline_counts_from_now_when_the_document_has_no_now() -> None:
     doc = {k: v for k, v in DOC.items() if k != "now"}
     got = samples(render(doc, now=NOW + 100).decode())
-    assert got[(P + "seconds_to_deadline", ())] == 1700.0
+    assert got[(P + "time_to_deadline_seconds", ())] == 1700.0
 
 
 # ---- a real server ----------------------------------------------------------------------------

@@ -16,16 +16,29 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.policy.resume import counted
 from agent.state import Phase
 
-#: Every series is named ``libreyolo_agent_<what>``.
+#: Every series is named ``libreyolo_agent_<what>``, after Prometheus' naming rules
+#: (https://prometheus.io/docs/practices/naming/): base units as suffixes (``_seconds``,
+#: ``_bytes``, ``_ratio``), ``_total`` on counters, ``_timestamp_seconds`` on epoch times, and no
+#: label Prometheus sets itself (``job``, ``instance``). Prices keep the providers' ``_per_hour``.
 PREFIX = "libreyolo_agent_"
+
+#: Series renamed to follow those rules (old name -> new name), for the README's note: a
+#: dashboard built on an old name finds its new one here.
+RENAMED = {
+    "libreyolo_agent_seconds_since_progress": "libreyolo_agent_time_since_progress_seconds",
+    "libreyolo_agent_seconds_to_deadline": "libreyolo_agent_time_to_deadline_seconds",
+    "libreyolo_agent_job_info{job}": "libreyolo_agent_job_info{job_name}",
+    "libreyolo_agent_resumes": "libreyolo_agent_resumes_total",
+}
 
 
 def render(doc: Mapping[str, Any], *, now: float | None = None) -> bytes:
     """The Prometheus text exposition (:data:`CONTENT_TYPE`) of a ``/status`` document.
 
-    ``now`` (epoch seconds) is what ``libreyolo_agent_seconds_to_deadline`` counts from: the
+    ``now`` (epoch seconds) is what ``libreyolo_agent_time_to_deadline_seconds`` counts from: the
     document's own ``now`` when it has one, else ``now``, else the wall clock.
     """
     registry = CollectorRegistry(auto_describe=False)
@@ -58,14 +71,21 @@ class _StatusCollector(Collector):
         yield from self._training()
         yield from self._sync()
         yield from self._limits()
+        yield from self._notify()
 
     # ---- helpers ----------------------------------------------------------------------------
 
     @staticmethod
-    def _gauge(name: str, doc: str, value: Any, unit: str = "") -> Iterator[Metric]:
+    def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
         number = _num(value)
         if number is not None:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=number, unit=unit)
+            yield GaugeMetricFamily(PREFIX + name, doc, value=number)
+
+    @classmethod
+    def _flag(cls, name: str, doc: str, value: Any) -> Iterator[Metric]:
+        """A 0/1 gauge of a bool the document holds (left out when it holds something else)."""
+        if isinstance(value, bool):
+            yield from cls._gauge(name, doc, int(value))
 
     @staticmethod
     def _counter(name: str, doc: str, value: Any) -> Iterator[Metric]:
@@ -92,7 +112,10 @@ class _StatusCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "up", "1: the agent answered this scrape", value=1)
         job = doc.get("job")
         if isinstance(job, str):
-            info = GaugeMetricFamily(PREFIX + "job_info", "the job this agent runs", labels=["job"])
+            # ``job_name``: Prometheus sets ``job`` itself (the scrape job) and would rename ours.
+            info = GaugeMetricFamily(
+                PREFIX + "job_info", "the job this agent runs", labels=["job_name"]
+            )
             info.add_metric([job], 1)
             yield info
         phase = doc.get("phase")
@@ -106,25 +129,78 @@ class _StatusCollector(Collector):
                 "phase",
                 ((name, 1 if name == phase else 0) for name in names),
             )
-        trainer = _dict(doc.get("trainer"))
-        if isinstance(trainer.get("alive"), bool):
-            yield from self._gauge(
-                "trainer_alive", "1 while the training process lives", int(trainer["alive"])
-            )
-        supervision = _dict(doc.get("supervision"))
         yield from self._gauge(
-            "resumes", "times the trainer was resumed in this job", supervision.get("resumes")
+            "start_time_seconds", "when the job first booted (epoch seconds)", doc.get("started_at")
+        )
+        trainer = _dict(doc.get("trainer"))
+        yield from self._flag(
+            "trainer_alive", "1 while the training process lives", trainer.get("alive")
         )
         yield from self._gauge(
-            "seconds_since_progress",
+            "trainer_start_time_seconds",
+            "when the running trainer was launched (epoch seconds)",
+            trainer.get("started_at"),
+        )
+        if "state_write_error" in doc:
+            yield from self._flag(
+                "state_write_failing",
+                "1 while state.json cannot be written (the run goes on; a restart loses the news)",
+                doc["state_write_error"] is not None,
+            )
+        yield from self._flag(
+            "teardown_open",
+            "1 while a teardown is decided and the provider has not confirmed it (may still bill)",
+            doc.get("teardown_open"),
+        )
+        yield from self._supervision(_dict(doc.get("supervision")))
+
+    def _supervision(self, supervision: Mapping[str, Any]) -> Iterator[Metric]:
+        resumes = supervision.get("resumes")
+        if isinstance(resumes, list):
+            yield from self._counter(
+                "resumes",
+                "times the trainer was resumed in this job (crashes, reboots, preemptions, "
+                "new boxes; kept in state.json across agent restarts)",
+                len(resumes),
+            )
+            limit = supervision.get("max_restarts")
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                yield from self._gauge(
+                    "restarts_remaining",
+                    "resumes left before the agent gives up (limits.max_restarts less the "
+                    "resumes that count; a handled preemption does not)",
+                    max(0, limit - counted(resumes)),
+                )
+        stall = _dict(supervision.get("stall"))
+        yield from self._gauge(
+            "time_since_progress_seconds",
             "seconds since the trainer last showed progress (a new epoch, log line, checkpoint)",
-            _dict(supervision.get("stall")).get("quiet_s"),
+            stall.get("quiet_s"),
         )
         yield from self._gauge(
             "stall_threshold_seconds",
             "the quiet time after which the trainer counts as stalled",
-            _dict(supervision.get("stall")).get("threshold_s"),
+            stall.get("threshold_s"),
         )
+        if "box_fault" in supervision:
+            yield from self._flag(
+                "box_fault",
+                "1 once a GPU fault says resuming on this box is pointless (a new box is needed)",
+                supervision["box_fault"] is not None,
+            )
+        preemption = supervision.get("preemption")
+        if isinstance(preemption, Mapping):
+            notice = preemption.get("notice")
+            yield from self._flag(
+                "preemption_notice",
+                "1 once the provider announced that the box is going away",
+                notice is not None,
+            )
+            yield from self._gauge(
+                "preemption_action_timestamp_seconds",
+                "when the provider said it will take the box (epoch seconds)",
+                _dict(notice).get("action_at"),
+            )
 
     def _training(self) -> Iterator[Metric]:
         doc = self.doc
@@ -181,6 +257,13 @@ class _StatusCollector(Collector):
             "group",
             ((k.removeprefix("lr/"), v) for k, v in row.items() if k.startswith("lr/")),
         )
+        verdict = _dict(_dict(doc.get("sizing")).get("verdict"))
+        gpu_util = _num(verdict.get("gpu_util"))
+        yield from self._gauge(
+            "gpu_utilization_ratio",
+            "mean utilisation of the job's GPUs over the sizing window (0 to 1)",
+            None if gpu_util is None else gpu_util / 100.0,
+        )
 
     def _sync(self) -> Iterator[Metric]:
         sync = _dict(self.doc.get("sync"))
@@ -212,18 +295,22 @@ class _StatusCollector(Collector):
         yield from self._gauge(
             "upload_bytes_per_second", "observed checkpoint upload speed", sync.get("bytes_per_s")
         )
+        yield from self._gauge(
+            "last_upload_timestamp_seconds",
+            "when the last upload was verified on the target (epoch seconds)",
+            sync.get("last_success_at"),
+        )
         if "stalled_since" in sync:
             yield from self._gauge(
                 "uploads_stalled",
                 "1 while uploads are owed and none completes",
                 int(sync["stalled_since"] is not None),
             )
-        if isinstance(sync.get("disk_full"), bool):
-            yield from self._gauge(
-                "disk_full",
-                "1 while the disk is too full to snapshot checkpoints",
-                int(sync["disk_full"]),
-            )
+        yield from self._flag(
+            "disk_full",
+            "1 while the disk is too full to snapshot checkpoints",
+            sync.get("disk_full"),
+        )
 
     def _limits(self) -> Iterator[Metric]:
         money = _dict(self.doc.get("money"))
@@ -236,6 +323,11 @@ class _StatusCollector(Collector):
         yield from self._gauge("budget_usd", "the job's budget (USD)", money.get("budget_usd"))
         yield from self._gauge(
             "price_usd_per_hour", "the box's price (USD per hour)", money.get("price_usd_per_hour")
+        )
+        yield from self._gauge(
+            "stopped_price_usd_per_hour",
+            "what the box costs per hour once stopped (its disk only)",
+            money.get("stopped_usd_per_hour"),
         )
         limits = _dict(self.doc.get("limits"))
         deadlines = {
@@ -252,14 +344,41 @@ class _StatusCollector(Collector):
         ]
         if ends:
             yield from self._gauge(
-                "seconds_to_deadline",
+                "time_to_deadline_seconds",
                 "seconds until the earlier of max_runtime and the budget (negative: past it)",
                 min(ends) - self.now,
             )
-        hold = _dict(_dict(self.doc.get("steering")).get("hold"))
+        steering = _dict(self.doc.get("steering"))
+        yield from self._gauge(
+            "extended_seconds",
+            "seconds added to max_runtime by extend",
+            steering.get("extended_s"),
+        )
+        hold = _dict(steering.get("hold"))
         if hold.get("active") is True:
             yield from self._gauge(
                 "hold_remaining_seconds",
                 "seconds left on the teardown hold",
                 hold.get("remaining_s"),
             )
+
+    def _notify(self) -> Iterator[Metric]:
+        notify = _dict(self.doc.get("notify"))
+        yield from self._counter(
+            "notifications_sent",
+            "webhook notices delivered (this agent process)",
+            notify.get("sent"),
+        )
+        yield from self._counter(
+            "notifications_failed",
+            "webhook notices that failed for good (this agent process)",
+            notify.get("failed"),
+        )
+        yield from self._counter(
+            "notifications_dropped",
+            "webhook notices dropped because the queue was full (this agent process)",
+            notify.get("dropped"),
+        )
+        yield from self._gauge(
+            "notifications_queued", "webhook notices waiting to be sent", notify.get("queued")
+        )

@@ -78,8 +78,8 @@ PAGE_CSP = (
 def render(doc: Mapping[str, Any], *, now: float | None = None) -> bytes:
     """The Prometheus text exposition (:data:`CONTENT_TYPE`) of a ``/status`` document.
 
-    ``now`` (epoch seconds) is what ``libreyolo_agent_seconds_to_deadline`` counts from: the
-    document's own ``now`` when it has one, else ``now``, else the wall clock.
+    ``now`` (epoch seconds) is what ``libreyolo_agent_time_to_deadline_seconds`` counts from:
+    the document's own ``now`` when it has one, else ``now``, else the wall clock.
     ``prometheus_client`` is imported here, on the first scrape (:mod:`agent.status.prometheus`).
     """
     from agent.status.prometheus import render as render_exposition
