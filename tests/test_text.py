@@ -56,7 +56,7 @@ def test_os_error_is_short_and_greppable() -> None:
 def test_base_helpers_import_nothing_of_the_agent(module: str) -> None:
     # So the generic layers (agent.data.archive, agent.data.datacheck) can use them and stay
     # generic.
-    tree = ast.parse((REPO_ROOT / "agent" / f"{module}.py").read_text())
+    tree = ast.parse((REPO_ROOT / "agent" / "util" / f"{module}.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
     }
