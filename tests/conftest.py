@@ -13,6 +13,10 @@ os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 os.environ.setdefault("no_proxy", "127.0.0.1,localhost")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_XET"] = "1"
+# The suite runs on as many workers as cores (pytest -n 2): a real trainer's torch would start a
+# thread per core in each, and they would spin against each other. One thread per trainer here;
+# a user's trainer keeps torch's own choice (the agent sets nothing).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 #: The per-test cap of a test that trains for real (``@pytest.mark.training``), unless it names

@@ -7,11 +7,13 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from agent import demo
+from agent.daemon.spine import Daemon
 from agent.state import Reason
 from tests.support import tiny_job, wait_for
 from tests.test_daemon import env_for, history_phases, requires_libreyolo, run_daemon
@@ -56,7 +58,19 @@ def test_a_passing_doctor_beside_the_trainer_leaves_the_run_alone(tmp_path: Path
     data = demo.make_dataset(tmp_path / "ds")
     job = tiny_job(tmp_path, data, sections="[dataset]\n", doctor=True, epochs=4)
     env = env_for(tmp_path)
-    code, daemon, _ = asyncio.run(run_daemon(job, env))
+
+    async def hold_until_the_doctor_passed(daemon: Daemon, *_: object) -> None:
+        # The trainer waits (SIGSTOP) after its first epoch until the doctor's verdict is on
+        # record: with one torch thread four tiny epochs outran the doctor's 5 s.
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
+        assert daemon.trainer is not None
+        os.kill(daemon.trainer.pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: "doctor passed" in (env.state_dir / "agent.log").read_text())
+        finally:
+            os.kill(daemon.trainer.pid, signal.SIGCONT)
+
+    code, daemon, _ = asyncio.run(run_daemon(job, env, hold_until_the_doctor_passed))
     assert code == 0
     assert daemon.state.reason == Reason.COMPLETED
     log = (env.state_dir / "agent.log").read_text()
@@ -65,7 +79,7 @@ def test_a_passing_doctor_beside_the_trainer_leaves_the_run_alone(tmp_path: Path
     # the two never import torch at the same time.
     found = log.index("run directory: ")
     assert log.index("trainer started pid=") < found < log.index("libreyolo doctor started")
-    # The doctor (about 5 s here) ends before four tiny epochs do: its pass is on record.
+    # The doctor passed while the trainer ran (held above, so it could not end first).
     assert "doctor passed" in log
     report = json.loads((env.state_dir / "staging.json").read_text())
     assert report["ok"] is True
@@ -80,7 +94,6 @@ def test_a_doctor_still_running_when_the_job_ends_is_killed_not_left_behind(
     doctor's process group is killed with the job, not left running on the box."""
     import aiohttp
 
-    from agent.daemon.spine import Daemon
     from tests.test_daemon import Probe
 
     data = demo.make_dataset(tmp_path / "ds")
