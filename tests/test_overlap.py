@@ -7,6 +7,7 @@ which takes seconds; the real fake Hub answers the dataset questions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import threading
@@ -19,7 +20,7 @@ from agent.config.model import Env, Job, PreflightSection
 from agent.daemon.spine import Daemon
 from agent.state import StateStore
 from tests.fakes.hub import run_fake_hub
-from tests.support import post_stop, tiny_job, wait_for
+from tests.support import HANG_S, post_stop, tiny_job, wait_for
 
 
 def with_preflight(tmp: Path, data: Path, *, allow_cpu: bool, sections: str = "") -> Job:
@@ -88,7 +89,16 @@ def test_a_failed_probe_does_not_wait_for_the_staging(tmp_path: Path) -> None:
     ended: list[float] = []
 
     def hook() -> None:
-        time.sleep(8.0)
+        # A staging that ends only once the job is DONE (a fixed 8 s lost the race to a probe
+        # slowed by load): a daemon that waited for the staging would never get there, and the
+        # cap (a hang) would end it after DONE failed to come.
+        end = time.monotonic() + HANG_S
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, ValueError):
+                state = StateStore(env.state_dir).load()
+                if state is not None and state.phase.value == "DONE":
+                    break
+            time.sleep(0.05)
         ended.append(time.time())
 
     async def main() -> tuple[int, Daemon]:
