@@ -25,18 +25,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent import __version__, demo
-from agent.client import (
-    EXIT_CONFIG,
-    EXIT_FAIL,
-    EXIT_OK,
-    cmd_extend,
-    cmd_hold,
-    cmd_release,
-    cmd_status,
-    cmd_stop,
-    err,
-)
+from agent import __version__, demo, logs
+from agent.client import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, HelpFormatter, err
+from agent.client import add_parsers as add_client_parsers
 from agent.config.jobfile import load_job
 from agent.config.model import ConfigError, Env, Job
 from agent.util import logutil
@@ -55,6 +46,9 @@ exit codes:
      apply to it; with a [teardown] provider the box first gets the decision of a failed
      preflight (on_preflight_failure; kept when [teardown] itself cannot be read), recorded
      in state.json
+  3  the agent exited before the job ended: the demo's (its trainer goes on; run it again
+     to carry on), or any job's whose teardown was still open (not confirmed by the
+     provider) when the agent was made to exit
 
 environment:
   LIBREYOLO_AGENT_STATE_DIR  state directory: state.json, agent.log, the control token, the
@@ -340,9 +334,27 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- cost
 
 
+#: ``cost``'s options that take a value, by their ``args`` name (each is read as text and checked
+#: by agent/policy/cost.py: a mistake is one line, exit 2).
+COST_VALUES = (
+    "disk_gb",
+    "storage_usd_per_gb_month",
+    "rebuild_usd",
+    "setup_minutes",
+    "transfer_gb",
+    "transfer_usd_per_gb",
+    "running_usd_per_hour",
+    "gap_hours",
+    "hours_per_month",
+)
+
+
 def cmd_cost(args: argparse.Namespace) -> int:
     from agent.policy import cost
 
+    given = [f"--{name.replace('_', '-')}" for name in COST_VALUES if getattr(args, name)]
+    given += ["--epochs"] if args.epochs is not None else []
+    cost.refuse_other_form(given, per_job=bool(args.per_job))  # ConfigError: exit 2 (main)
     if args.per_job:
         boxes, epochs = cost.parse_per_job(args.per_job, args.epochs)
         per_job = cost.compare_per_job(boxes, epochs)  # ConfigError: one line, exit 2 (main)
@@ -350,11 +362,103 @@ def cmd_cost(args: argparse.Namespace) -> int:
             json.dumps(per_job.to_dict(), indent=2) if args.json else cost.format_per_job(per_job)
         )
         return EXIT_OK
-    names = ("disk_gb", "storage_usd_per_gb_month", "rebuild_usd", "running_usd_per_hour")
-    raw = {name: getattr(args, name) for name in (*names, "gap_hours", "hours_per_month")}
+    raw = {name: getattr(args, name) for name in COST_VALUES}
     report = cost.compute(cost.parse_inputs(raw))  # ConfigError: one line, exit 2 (main)
     print(json.dumps(report.to_dict(), indent=2) if args.json else cost.format_report(report))
     return EXIT_OK
+
+
+COST_USAGE = """\
+libreyolo-agent cost --disk-gb GB --storage-usd-per-gb-month USD
+                            (--rebuild-usd USD | --setup-minutes MIN --transfer-gb GB
+                             --running-usd-per-hour USD [--transfer-usd-per-gb USD])
+                            [--running-usd-per-hour USD] [--gap-hours HOURS]
+                            [--hours-per-month HOURS] [--json]
+       libreyolo-agent cost --per-job SECONDS_PER_EPOCH USD_PER_HOUR --per-job ... [--epochs N]
+                            [--json]"""
+
+
+def add_cost_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``cost``: two forms, each option in the group of the form it belongs to."""
+    from agent.policy.cost import TRANSFER_USD_PER_GB
+
+    co = sub.add_parser(
+        "cost",
+        help="stop or destroy the box after a run: which is cheaper for a gap; or which box "
+        "is cheaper per job",
+        usage=COST_USAGE,
+        description="Stop or destroy: what a stopped box costs (its disk: GB x $/GB-month / "
+        "hours per month), the gap at which that equals the cost of destroying it and "
+        "rebuilding, and, with --gap-hours, the verdict. The rebuild cost is given "
+        "(--rebuild-usd), or derived: setup minutes x running $/h / 60 + GB in x transfer "
+        "$/GB (the guide's 15 minutes at $3.4828/h plus 43 GB: about $1.00). Or, with "
+        "--per-job, which box is cheaper per job. An option of the other form is refused.",
+        epilog="exit codes:\n  0  the figures printed\n  2  a missing or bad value, or an "
+        "option of the other form (one line naming the option)\n",
+        formatter_class=HelpFormatter,
+    )
+    sd = co.add_argument_group(
+        "stop or destroy",
+        "required: --disk-gb, --storage-usd-per-gb-month, and the rebuild cost: --rebuild-usd, "
+        "or --setup-minutes, --transfer-gb and --running-usd-per-hour",
+    )
+    sd.add_argument("--disk-gb", metavar="GB", help="(required) the box's allocated disk, GB")
+    sd.add_argument(
+        "--storage-usd-per-gb-month",
+        metavar="USD",
+        help="(required) the provider's storage price, USD per GB per month (e.g. 0.20)",
+    )
+    sd.add_argument(
+        "--rebuild-usd",
+        metavar="USD",
+        help="(required, unless derived) what destroying and coming back costs: setup time at "
+        "the running price plus the dataset's inbound transfer, USD (e.g. 1.00)",
+    )
+    sd.add_argument(
+        "--setup-minutes",
+        metavar="MIN",
+        help="derive the rebuild cost: minutes a new box takes to set up (e.g. 15)",
+    )
+    sd.add_argument(
+        "--transfer-gb",
+        metavar="GB",
+        help="derive the rebuild cost: GB transferred in on a rebuild (e.g. 43)",
+    )
+    sd.add_argument(
+        "--transfer-usd-per-gb",
+        metavar="USD",
+        help="derive the rebuild cost: the inbound transfer price, USD per GB (default "
+        f"{TRANSFER_USD_PER_GB:g}, $3 per TB)",
+    )
+    sd.add_argument(
+        "--running-usd-per-hour",
+        metavar="USD",
+        help="the box's price while running, USD/h (required to derive the rebuild cost; "
+        "else shown for comparison)",
+    )
+    sd.add_argument(
+        "--gap-hours",
+        metavar="HOURS",
+        help="the expected gap before the next run, hours: gives the verdict",
+    )
+    sd.add_argument(
+        "--hours-per-month",
+        metavar="HOURS",
+        help="hours in a billing month (default 720, a 30-day month: it matches the measured "
+        "stopped rate; 730 is the average month)",
+    )
+    pj = co.add_argument_group("per job", "required: --per-job, given once per box (two or more)")
+    pj.add_argument(
+        "--per-job",
+        nargs=2,
+        action="append",
+        metavar=("SECONDS_PER_EPOCH", "USD_PER_HOUR"),
+        help="which box is cheaper per job, from the seconds per epoch measured on it and "
+        "its price",
+    )
+    pj.add_argument("--epochs", metavar="N", help="the job's epochs, for totals per job")
+    co.add_argument("--json", action="store_true", help="print the figures as JSON")
+    co.set_defaults(func=cmd_cost)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -393,7 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
     r.set_defaults(func=cmd_run)
 
-    pf = sub.add_parser("preflight", help="check that this machine can train the job")
+    pf = sub.add_parser(
+        "preflight",
+        help="check that this machine can train the job",
+        description="Check this machine (GPUs, driver, CUDA, disk, the Hub) before anything is "
+        "paid for in vain; with a JOB also what `run` proves before training: the sync "
+        "target's canary and the guard's plan.",
+        epilog="exit codes:\n  0  nothing failed\n  1  a check failed\n  2  the job file is "
+        "bad (every mistake, one per line)\n",
+        formatter_class=HelpFormatter,
+    )
     pf.add_argument(
         "job",
         nargs="?",
@@ -407,8 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a job file (every mistake, one per line; exit 2) and say what to rent",
         description="Validate a job file: every mistake, one per line, exit 2. A valid one gets "
         "what to rent: the disk (the dataset's archive and unpacked copy, from the Hub's "
-        "listing; the checkpoints the job keeps; the install; plus 30 %%) and which of the "
+        "listing; the checkpoints the job keeps; the install; plus 30 %) and which of the "
         "teardown's variables this environment holds (names only). Needs no torch.",
+        epilog="exit codes:\n  0  valid\n  2  invalid (every mistake, one per line; a misspelt "
+        "section or option is given its closest name)\n",
+        formatter_class=HelpFormatter,
     )
     c.add_argument("job", help="job file (TOML)")
     c.add_argument("--json", action="store_true", help="print the verdict and the estimate as JSON")
@@ -417,119 +533,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_check)
 
-    from agent.supervisor import DESCRIPTION, HELP, add_arguments
+    from agent.supervisor import DESCRIPTION, EPILOG, HELP, add_arguments
 
-    sv = sub.add_parser("supervise", help=HELP, description=DESCRIPTION)
+    sv = sub.add_parser(
+        "supervise",
+        help=HELP,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
     add_arguments(sv)
     sv.set_defaults(func=cmd_supervise)
 
-    for name, func, text in (
-        ("status", cmd_status, "show the running agent's status (or an ended job's record)"),
-        ("stop", cmd_stop, "stop the job: trainer gets SIGINT, final sync, teardown"),
-        ("extend", cmd_extend, "move the job's max_runtime deadline later"),
-        (
-            "hold",
-            cmd_hold,
-            "keep the box up after the run (phase HELD, nothing torn down) until release or "
-            "the hold's timeout",
-        ),
-        ("release", cmd_release, "end the hold: the teardown goes ahead"),
-    ):
-        s = sub.add_parser(name, help=text)
-        s.add_argument(
-            "--state-dir",
-            help="agent state directory (default: $LIBREYOLO_AGENT_STATE_DIR, else "
-            "/var/lib/libreyolo-agent)",
-        )
-        s.add_argument("--url", help="agent URL (default: read from the state directory)")
-        if name == "extend":
-            s.add_argument(
-                "duration",
-                metavar="DURATION",
-                help='how much later, e.g. "2h", "90m", "1h30m" or seconds (at most 30 days)',
-            )
-        elif name == "hold":
-            s.add_argument(
-                "duration",
-                metavar="DURATION",
-                nargs="?",
-                help="how long the hold lasts, from now (default: the job's "
-                "teardown.hold_timeout, 12h unless set; at most 30 days)",
-            )
-        if name == "status":
-            s.add_argument("--json", action="store_true", help="print the status as JSON")
-            s.add_argument(
-                "--watch",
-                action="store_true",
-                help="redraw a progress summary until the job ends (one line per change on a "
-                "pipe or a dumb terminal), then print the ended job's record",
-            )
-            s.add_argument(
-                "--interval",
-                type=float,
-                default=2.0,
-                help="seconds between two reads with --watch (default: 2)",
-            )
-        s.set_defaults(func=func)
+    add_client_parsers(sub)  # status, stop, extend, hold, release, token: agent/client.py
+    logs.add_parser(sub)
 
-    # Values are read as text and checked by agent/policy/cost.py: a mistake is one line, exit 2.
-    co = sub.add_parser(
-        "cost",
-        help="stop or destroy the box after a run: which is cheaper for a gap",
-        description="What a stopped box costs (its disk: GB x $/GB-month / hours per month), "
-        "the gap at which that equals the cost of destroying it and rebuilding, and, with "
-        "--gap-hours, the verdict. Exit 2 on a bad value.",
-    )
-    co.add_argument(
-        "--disk-gb", metavar="GB", help="the box's allocated disk, GB (required; e.g. 250)"
-    )
-    co.add_argument(
-        "--storage-usd-per-gb-month",
-        metavar="USD",
-        help="the provider's storage price, USD per GB per month (required; e.g. 0.20)",
-    )
-    co.add_argument(
-        "--rebuild-usd",
-        metavar="USD",
-        help="what destroying and coming back costs: setup time at the running price plus "
-        "the dataset's inbound transfer, USD (required; e.g. 1.00)",
-    )
-    co.add_argument(
-        "--running-usd-per-hour",
-        metavar="USD",
-        help="the box's price while running, USD/h (for comparison)",
-    )
-    co.add_argument(
-        "--gap-hours",
-        metavar="HOURS",
-        help="the expected gap before the next run, hours: gives the verdict",
-    )
-    co.add_argument(
-        "--hours-per-month",
-        metavar="HOURS",
-        help="hours in a billing month (default 720, a 30-day month: it matches the measured "
-        "stopped rate; 730 is the average month)",
-    )
-    co.add_argument(
-        "--per-job",
-        nargs=2,
-        action="append",
-        metavar=("SECONDS_PER_EPOCH", "USD_PER_HOUR"),
-        help="instead: which box is cheaper per job, from the seconds per epoch measured on "
-        "it and its price; give it once per box (two or more)",
-    )
-    co.add_argument(
-        "--epochs", metavar="N", help="with --per-job: the job's epochs, for totals per job"
-    )
-    co.add_argument("--json", action="store_true", help="print the figures as JSON")
-    co.set_defaults(func=cmd_cost)
+    add_cost_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        code: int = args.func(args)
+        try:
+            args = build_parser().parse_args(argv)
+            code: int = args.func(args)
+        finally:
+            # Written now, inside the handler below: at the interpreter's exit a closed pipe
+            # would raise where nothing catches it (also after --help, which exits).
+            sys.stdout.flush()
         return code
     except ConfigError as exc:
         for error in exc.errors:  # every mistake of the job file, one line each

@@ -28,8 +28,11 @@ EXIT_TEARDOWN_OPEN = 3
 
 
 def err(message: str) -> None:
-    """One line on stderr, the CLI's way of saying what went wrong."""
-    print(f"libreyolo-agent: error: {message}", file=sys.stderr)
+    """One line on stderr, the CLI's way of saying what went wrong; under systemd with the
+    syslog priority of an error (``<3>``), so ``journalctl -p err`` finds it."""
+    from agent.util.logutil import syslog_prefix
+
+    print(f"{syslog_prefix(3)}libreyolo-agent: error: {message}", file=sys.stderr)
 
 
 def _read_state(state_dir: Path) -> RunState | None:
@@ -252,29 +255,55 @@ def _refusal(exc: urllib.error.HTTPError, path: str) -> str:
     return f"the agent refused: HTTP {exc.code}"
 
 
-def _post_action(args: argparse.Namespace, name: str, body: str = "") -> int:
-    """``POST /<name>`` with the token from the state directory; prints the agent's answer."""
-    base, state_dir = _endpoint(args)
+def _read_token(state_dir: Path) -> str | None:
+    """The control token the agent wrote in ``state_dir``; None, with why printed, when it
+    cannot be read."""
     try:
-        token = (state_dir / "token").read_text().strip()
+        return (state_dir / "token").read_text().strip()
     except OSError as exc:
         err(
             f"cannot read the control token in {state_dir} ({exc.strerror}); run as the agent's "
             "user or pass --state-dir"
         )
-        return EXIT_FAIL
+        return None
+
+
+def _refused(
+    args: argparse.Namespace, name: str, why: str, code: int | None = None, *, said: bool = False
+) -> int:
+    """A control request that did not happen: one line on stderr, and with ``--json`` the
+    same on stdout (``{"ok": false, "action": ..., "error": ...}``) so a script reads one
+    document whatever happened. ``said``: the line is on stderr already."""
+    if not said:
+        err(why)
+    if getattr(args, "json", False):
+        doc: dict[str, Any] = {"ok": False, "action": name, "error": why}
+        if code is not None:
+            doc["http_status"] = code
+        print(json.dumps(doc, indent=2))
+    return EXIT_FAIL
+
+
+def _post_action(args: argparse.Namespace, name: str, body: str = "") -> int:
+    """``POST /<name>`` with the token from the state directory; prints the agent's answer
+    (with ``--json``, the agent's JSON answer whole)."""
+    base, state_dir = _endpoint(args)
+    token = _read_token(state_dir)
+    if token is None:
+        return _refused(args, name, f"cannot read the control token in {state_dir}", said=True)
     try:
         answer = _http("POST", f"{base}/{name}", token, body.encode())
     except urllib.error.HTTPError as exc:
-        err(_refusal(exc, f"/{name}"))
-        return EXIT_FAIL
+        return _refused(args, name, _refusal(exc, f"/{name}"), exc.code)
     except (urllib.error.URLError, OSError) as exc:
-        err(f"no agent answers on {base} ({_unreachable(exc)})")
-        return EXIT_FAIL
+        return _refused(args, name, f"no agent answers on {base} ({_unreachable(exc)})")
     except ValueError:
-        err(f"{base} answered POST /{name}, but not with libreyolo-agent's JSON; check --url")
-        return EXIT_FAIL
-    print(answer.get("message", f"{name} requested"))
+        why = f"{base} answered POST /{name}, but not with libreyolo-agent's JSON; check --url"
+        return _refused(args, name, why)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": True, "action": name, **answer}, indent=2))
+    else:
+        print(answer.get("message", f"{name} requested"))
     return EXIT_OK
 
 
@@ -309,3 +338,187 @@ def cmd_hold(args: argparse.Namespace) -> int:
 
 def cmd_release(args: argparse.Namespace) -> int:
     return _post_action(args, "release")
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """``token``: the control token of the agent in the state directory, on one line (for a
+    script: ``curl -H "Authorization: Bearer $(libreyolo-agent token)"``); with ``--login-url``
+    the page's address carrying it in its fragment (``http://localhost:8421/#token=...``: the
+    page keeps it and drops it from the address bar; a fragment never reaches a server)."""
+    from urllib.parse import quote
+
+    state_dir = Path(args.state_dir or Env.from_environ().state_dir)
+    token = _read_token(state_dir)
+    if token is None:
+        return EXIT_FAIL
+    if not token:
+        err(f"the control token file in {state_dir} is empty; start the agent (it writes one)")
+        return EXIT_FAIL
+    if not args.login_url:
+        print(token)
+        return EXIT_OK
+    print(f"{login_base(_read_state(state_dir))}/#token={quote(token, safe='')}")
+    return EXIT_OK
+
+
+def login_base(record: RunState | None) -> str:
+    """The page's address as the person opens it: through the SSH tunnel the README gives
+    (``-L 8421:127.0.0.1:8421``) a loopback or wildcard listen address is ``localhost`` on
+    their machine; any other is shown as it is. The port is the one the agent listens on."""
+    default = ServerSection()
+    host, port = default.host, default.port
+    if record is not None and isinstance(record.server, dict):
+        host = str(record.server.get("host", host))
+        with contextlib.suppress(TypeError, ValueError):
+            port = int(record.server.get("port", port))
+    if host in ("127.0.0.1", "::1", "0.0.0.0", "::", "localhost", ""):
+        host = "localhost"
+    elif ":" in host:  # IPv6
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+# ------------------------------------------------------------------------------ the parsers
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions and epilogs wrapped line by line: a paragraph is filled to the terminal's
+    width, and the line breaks written into the text stay (an exit code per line, its
+    continuation indented under its words)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        lines = []
+        for line in text.splitlines():
+            words = line.lstrip()
+            lead = indent + line[: len(line) - len(words)]
+            more = lead + ("   " if lead != indent else "")
+            fill = textwrap.fill(words, width, initial_indent=lead, subsequent_indent=more)
+            lines.append(fill if words else "")
+        return "\n".join(lines)
+
+
+_STATE_DIR_HELP = (
+    "agent state directory (default: $LIBREYOLO_AGENT_STATE_DIR, else /var/lib/libreyolo-agent)"
+)
+_REFUSED = "the agent refused (its reason printed as it says it) or no agent answers"
+_JSON_HELP = (
+    'print the agent\'s answer as JSON ({"ok": true, "action": ..., ...}); a refusal too '
+    '({"ok": false, "error": ...}, also on stderr)'
+)
+#: Each command that talks to the agent: its one-line help, its description, its exit codes.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "status": (
+        "show the running agent's status (or an ended job's record)",
+        "Ask the running agent (its address read from the state directory) for its status: "
+        "phase, epoch, ETA, last synced checkpoint, money, deadline, and the teardown: the plan "
+        "before the decision, the decision after. Once the job has ended (no agent answers), "
+        "the record it left: report.json, else state.json.",
+        "  0  shown (also the record of an ended job)\n"
+        "  1  no agent answers and the job has not ended\n"
+        "  3  a teardown was decided and the provider has not confirmed it: the box may still "
+        "bill",
+    ),
+    "stop": (
+        "stop the job: trainer gets SIGINT, final sync, teardown",
+        "Stop the job (not the agent): the trainer gets SIGINT (LibreYOLO's clean stop), then "
+        "SIGTERM, then SIGKILL, each after a grace period; then the final sync and teardown. "
+        "While HELD it releases the hold. Refused where it cannot act (a stop under way, "
+        "training over). POST /stop.",
+        f"  0  requested\n  1  {_REFUSED}",
+    ),
+    "extend": (
+        "move the job's max_runtime deadline later",
+        "Move the job's max_runtime deadline later (the extensions of a run add up to at "
+        "most 30 days); refused once training is over, once a stop is under way, or when the "
+        "job has no max_runtime. POST /extend.",
+        f"  0  extended (the new deadline printed)\n  1  {_REFUSED}\n  2  not a duration",
+    ),
+    "hold": (
+        "keep the box up after the run (phase HELD, nothing torn down) until release or the "
+        "hold's timeout",
+        "Keep the box up after the run: phase HELD, nothing torn down, until `release` or the "
+        "hold's own timeout; a second hold renews it; refused once the teardown is decided. "
+        "POST /hold.",
+        f"  0  held\n  1  {_REFUSED}\n  2  not a duration",
+    ),
+    "release": (
+        "end the hold: the teardown goes ahead",
+        "End the hold: the teardown goes ahead (at once when HELD). POST /release.",
+        f"  0  released\n  1  {_REFUSED} (also: nothing is held)",
+    ),
+}
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``status``, ``stop``, ``extend``, ``hold``, ``release`` and ``token`` on the CLI's
+    subparsers."""
+    funcs = {
+        "status": cmd_status,
+        "stop": cmd_stop,
+        "extend": cmd_extend,
+        "hold": cmd_hold,
+        "release": cmd_release,
+    }
+    for name, (text, description, codes) in COMMANDS.items():
+        s = sub.add_parser(
+            name,
+            help=text,
+            description=description,
+            epilog=f"exit codes:\n{codes}\n",
+            formatter_class=HelpFormatter,
+        )
+        s.add_argument("--state-dir", help=_STATE_DIR_HELP)
+        s.add_argument("--url", help="agent URL (default: read from the state directory)")
+        if name == "extend":
+            s.add_argument(
+                "duration",
+                metavar="DURATION",
+                help='how much later, e.g. "2h", "90m", "1h30m" or seconds (at most 30 days)',
+            )
+        elif name == "hold":
+            s.add_argument(
+                "duration",
+                metavar="DURATION",
+                nargs="?",
+                help="how long the hold lasts, from now (default: the job's "
+                "teardown.hold_timeout, 12h unless set; at most 30 days)",
+            )
+        if name == "status":
+            s.add_argument("--json", action="store_true", help="print the status as JSON")
+            s.add_argument(
+                "--watch",
+                action="store_true",
+                help="redraw a progress summary until the job ends (one line per change on a "
+                "pipe or a dumb terminal), then print the ended job's record",
+            )
+            s.add_argument(
+                "--interval",
+                type=float,
+                default=2.0,
+                help="seconds between two reads with --watch (default: 2)",
+            )
+        else:
+            s.add_argument("--json", action="store_true", help=_JSON_HELP)
+        s.set_defaults(func=funcs[name])
+
+    t = sub.add_parser(
+        "token",
+        help="print the control token (or a login URL for the page)",
+        description="Print the control token the agent wrote in its state directory (the file "
+        "`token`, readable by the agent's user only): the page's controls and the API's POSTs "
+        "need it. With --login-url, the page's address carrying it "
+        "(http://localhost:8421/#token=...): opened once, the page keeps the token, so it need "
+        "not be pasted after every reload. Both are secrets: anyone with them can stop the job.",
+        epilog="exit codes:\n  0  printed\n  1  no token readable in the state directory "
+        "(wrong --state-dir, another user, or the agent never started)\n",
+        formatter_class=HelpFormatter,
+    )
+    t.add_argument("--state-dir", help=_STATE_DIR_HELP)
+    t.add_argument(
+        "--login-url",
+        action="store_true",
+        help="print http://localhost:PORT/#token=TOKEN (the port the agent listens on) instead",
+    )
+    t.set_defaults(func=cmd_token)

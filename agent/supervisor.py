@@ -425,6 +425,14 @@ DESCRIPTION = (
     "runs, 2 bad job file. Files: supervisor.pid, supervisor.json in the state directory."
 )
 
+#: ``supervise --help``'s exit codes (the README's Commands table says the same).
+EPILOG = """\
+exit codes:
+  0  the job ended (or SIGTERM/SIGINT, passed on to the agent)
+  1  gave up (restarts in a row that did not stay up), or another supervisor runs
+  2  the job file is bad
+"""
+
 
 def add_arguments(sv: argparse.ArgumentParser) -> None:
     """``supervise``'s options (agent/cli.py's subcommand and :func:`main` share them)."""
@@ -546,7 +554,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     here first); ``argv`` without the word ``supervise``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="libreyolo-agent supervise", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="libreyolo-agent supervise",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

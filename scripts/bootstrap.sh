@@ -393,6 +393,10 @@ Reach it from your own machine through an SSH tunnel (use the box's SSH host and
   curl http://127.0.0.1:8421/status          (or open http://127.0.0.1:8421/ for the dashboard;
                                                8421 unless the job's server.listen says otherwise)
   on the box: $venv/bin/libreyolo-agent status --watch$state_opt
+  the control token (the page's buttons, POST /stop and the like) is in $state_dir/token,
+  readable by the agent's user only; print it with: $venv/bin/libreyolo-agent token$state_opt
+  or a link that logs the page in (open it once, through the tunnel):
+    $venv/bin/libreyolo-agent token --login-url$state_opt
   the training dashboard: on the box, $venv/bin/libreyolo monitor <run dir> --no-browser, then open
   http://127.0.0.1:8420 here
 EOF

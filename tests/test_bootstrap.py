@@ -406,6 +406,24 @@ def test_the_closing_hint_names_a_state_dir_that_is_not_the_default(box: Box) ->
     )
     assert status.returncode == 0, status.stdout + status.stderr
     assert "TRAINING" in status.stdout or "training" in status.stdout.lower(), status.stdout
+    # Where the token is, and the commands that print it (issue 28), as printed.
+    assert f"{box.state}/token" in proc.stdout
+    (token_hint,) = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.endswith(" token" + (f" --state-dir {box.state}"))
+    ]
+    command = token_hint.split("print it with:", 1)[1].strip()
+    token = subprocess.run(
+        ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert token.returncode == 0, token.stderr
+    assert token.stdout.strip() == (box.state / "token").read_text().strip()
+    (login,) = [line for line in proc.stdout.splitlines() if "token --login-url" in line]
+    url = subprocess.run(
+        ["bash", "-c", login.strip()], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert url.stdout.startswith("http://localhost:") and "/#token=" in url.stdout, url.stderr
 
 
 def test_the_closing_hint_has_no_state_dir_option_for_the_default() -> None:

@@ -16,11 +16,13 @@ import pytest
 from agent.config.jobvalues import ConfigError
 from agent.policy.cost import (
     GPU_WARNING,
+    TRANSFER_USD_PER_GB,
     CostInputs,
     break_even_hours,
     compute,
     format_report,
     parse_inputs,
+    rebuild_usd,
     stopped_usd_per_hour,
 )
 
@@ -173,8 +175,53 @@ def test_missing_required_options_are_named_together() -> None:
     with pytest.raises(ConfigError) as info:
         parse_inputs({"disk_gb": "250", "storage_usd_per_gb_month": None, "rebuild_usd": None})
     assert str(info.value) == (
-        "cost: needs --storage-usd-per-gb-month, --rebuild-usd (see libreyolo-agent cost --help)"
+        "cost: needs --storage-usd-per-gb-month, --rebuild-usd (or --setup-minutes and "
+        "--transfer-gb to derive it) (see libreyolo-agent cost --help)"
     )
+
+
+# ------------------------------------------------------------------ the rebuild, derived
+
+
+def test_the_guides_rebuild_is_derived_from_its_minutes_and_gb() -> None:
+    # 15 min at $3.4828/h = $0.8707; 43 GB at $0.003/GB = $0.129: about $1.00.
+    assert rebuild_usd(15, 3.4828, 43) == pytest.approx(0.8707 + 0.129)
+    assert rebuild_usd(15, 3.4828, 43, 0.01) == pytest.approx(0.8707 + 0.43)
+    assert TRANSFER_USD_PER_GB == 0.003
+    inputs = parse_inputs(
+        {
+            "disk_gb": "250",
+            "storage_usd_per_gb_month": "0.2",
+            "setup_minutes": "15",
+            "transfer_gb": "43",
+            "running_usd_per_hour": "3.4828",
+        }
+    )
+    assert inputs.rebuild_usd == pytest.approx(0.9997)
+    assert inputs.transfer_usd_per_gb == TRANSFER_USD_PER_GB
+    assert compute(inputs).break_even_hours == pytest.approx(0.9997 / (250 * 0.2 / 720))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"setup_minutes": "15"},
+            "cost: needs --transfer-gb, --running-usd-per-hour (to derive the rebuild cost)",
+        ),
+        (
+            {"rebuild_usd": "1", "transfer_gb": "43"},
+            "--rebuild-usd: give it, or --transfer-gb to derive it, not both",
+        ),
+    ],
+)
+def test_a_rebuild_half_derived_or_given_twice_is_refused(
+    raw: dict[str, str], message: str
+) -> None:
+    values: dict[str, str | None] = {"disk_gb": "250", "storage_usd_per_gb_month": "0.2", **raw}
+    with pytest.raises(ConfigError) as info:
+        parse_inputs(values)
+    assert str(info.value).startswith(message)
 
 
 # --------------------------------------------------------------------------- the real CLI
@@ -221,8 +268,12 @@ def test_cli_json(tmp_path: Path) -> None:
         ),
         (
             ["--disk-gb", "250"],
-            "cost: needs --storage-usd-per-gb-month, --rebuild-usd (see libreyolo-agent cost "
-            "--help)",
+            "cost: needs --storage-usd-per-gb-month, --rebuild-usd (or --setup-minutes and "
+            "--transfer-gb to derive it) (see libreyolo-agent cost --help)",
+        ),
+        (
+            [*GUIDE, "--epochs", "100"],
+            "--epochs: applies to --per-job only (the per-job comparison): leave it out",
         ),
     ],
 )
@@ -240,12 +291,56 @@ def test_cli_help_documents_every_option(tmp_path: Path) -> None:
         "--disk-gb",
         "--storage-usd-per-gb-month",
         "--rebuild-usd",
+        "--setup-minutes",
+        "--transfer-gb",
+        "--transfer-usd-per-gb",
         "--running-usd-per-hour",
         "--gap-hours",
         "--hours-per-month",
+        "--per-job",
+        "--epochs",
         "--json",
     ):
         assert option in proc.stdout
+
+
+def test_cli_help_marks_the_required_options_of_each_form(tmp_path: Path) -> None:
+    text = " ".join(cost_cli(tmp_path, "--help").stdout.split())
+    assert "--disk-gb GB (required)" in text
+    assert "--storage-usd-per-gb-month USD (required)" in text
+    assert "--rebuild-usd USD (required, unless derived)" in text
+    assert "required: --per-job, given once per box (two or more)" in text
+    assert "(default 0.003, $3 per TB)" in text
+    # The usage line shows both forms, the required options outside brackets.
+    assert "usage: libreyolo-agent cost --disk-gb GB --storage-usd-per-gb-month USD (" in text
+    assert "libreyolo-agent cost --per-job SECONDS_PER_EPOCH USD_PER_HOUR" in text
+
+
+def test_cli_derives_the_guides_rebuild_and_shows_how(tmp_path: Path) -> None:
+    derive = ["--setup-minutes", "15", "--transfer-gb", "43", "--running-usd-per-hour", "3.4828"]
+    proc = cost_cli(tmp_path, *GUIDE[:4], *derive, "--gap-hours", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "destroyed:  $0/h; coming back costs a rebuild, $1.00 (15 min of setup at $3.4828/h + "
+        "43 GB in at $0.003/GB)"
+    ) in proc.stdout
+    assert "break-even: 14.4 h" in proc.stdout
+    doc = json.loads(cost_cli(tmp_path, *GUIDE[:4], *derive, "--json").stdout)
+    assert doc["rebuild_usd"] == pytest.approx(0.9997)
+    assert doc["inputs"]["transfer_gb"] == 43 and doc["inputs"]["setup_minutes"] == 15
+
+
+def test_cli_refuses_every_option_of_the_other_form_at_once(tmp_path: Path) -> None:
+    proc = cost_cli(
+        tmp_path, "--per-job", "60", "3.5", "--per-job", "30", "8", "--disk-gb", "250",
+        "--gap-hours", "8",
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"{PREFIX}{option}: belongs to the stop-or-destroy form; --per-job compares boxes per "
+        "job: leave it out"
+        for option in ("--disk-gb", "--gap-hours")
+    ]
 
 
 # ---------------------------------------------------------------------------------- per job

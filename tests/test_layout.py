@@ -104,7 +104,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("status",),  # what people see: /status, the page, metrics, notices, the post-mortem
     ("guard",),  # the process that outlives the agent and stops the box
     ("daemon",),  # the phases over one run context
-    ("cli", "client", "demo", "entry", "supervisor"),  # the commands
+    ("cli", "client", "logs", "demo", "entry", "supervisor"),  # the commands
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

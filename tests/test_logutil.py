@@ -334,3 +334,117 @@ def test_a_bad_format_string_is_written_without_its_arguments(tmp_path: Path) ->
         handler.close()
     text = path.read_text()
     assert "count %d" in text and "someoneElsesToken0123" not in text
+
+
+# ------------------------------------------------------------------------------ journald
+
+_LOGS_THREE = """\
+import logging, sys
+from agent.util import logutil
+logutil.configure_console(False)
+log = logging.getLogger("agent.x")
+log.info("an info line")
+log.warning("a warning line")
+try:
+    raise ValueError("boom")
+except ValueError:
+    log.exception("an error with its traceback")
+"""
+
+
+def _console_lines(tmp_path: Path, journal: str | None) -> list[str]:
+    """The console's stderr, written to a file; ``journal``: "this" for JOURNAL_STREAM naming
+    that very file, "other" for one naming another stream, None for none."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        st = os.fstat(f.fileno())
+        env = {"PATH": "/usr/bin:/bin"}
+        if journal == "this":
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        elif journal == "other":
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino + 1}"
+        subprocess.run(
+            [sys.executable, "-c", _LOGS_THREE], stderr=f, cwd=ROOT, env=env, timeout=60, check=True
+        )
+    return err.read_text().splitlines()
+
+
+def test_under_systemd_each_line_carries_its_syslog_priority(tmp_path: Path) -> None:
+    lines = _console_lines(tmp_path, "this")
+    assert lines[0].startswith("<6>") and lines[0].endswith("an info line")
+    assert lines[1].startswith("<4>") and lines[1].endswith("a warning line")
+    assert lines[2].startswith("<3>") and lines[2].endswith("an error with its traceback")
+    # journald reads a priority per line: the traceback's lines keep the error's.
+    assert len(lines) > 3 and all(line.startswith("<3>") for line in lines[2:])
+    assert lines[-1] == "<3>ValueError: boom"
+
+
+@pytest.mark.parametrize("journal", [None, "other"])
+def test_without_the_journal_on_stderr_no_line_has_a_prefix(
+    tmp_path: Path, journal: str | None
+) -> None:
+    lines = _console_lines(tmp_path, journal)
+    assert lines and not any(line.startswith("<") for line in lines)
+    assert lines[1].endswith("a warning line")
+
+
+# ------------------------------------------------------------------ no line logged twice
+
+
+def _messages(log_text: str) -> list[str]:
+    """agent.log's messages without time, level and logger (the same words from two loggers
+    are one duplicate)."""
+    return [line.split(": ", 1)[-1] for line in log_text.splitlines() if line[:2] == "20"]
+
+
+def test_held_to_teardown_is_logged_once_in_a_real_runs_agent_log(tmp_path: Path) -> None:
+    from agent.state import Phase
+    from tests.support import wait_for
+    from tests.test_supervise import WAIT_S, Clock, Run, ScriptedLauncher, make_job
+
+    logutil.rate_limit.reset()
+    clock = Clock()
+    run = Run(tmp_path, make_job(tmp_path), ScriptedLauncher(epoch_s=0.1, pause_at=3), clock=clock)
+
+    async def during(run: Run) -> None:
+        await run.paused()
+        await run.post("hold", "1s")
+        run.resume_trainer()
+        await wait_for(lambda: run.daemon.state.phase == Phase.HELD, WAIT_S)
+        clock.now += 1.5  # the hold's second passes
+
+    assert run.go(during) == 0
+    messages = _messages(run.log())
+    assert [m for m in messages if "HELD -> TEARDOWN" in m] == [
+        "phase HELD -> TEARDOWN (hold timed out)"
+    ]
+    warnings = [line for line in run.log().splitlines() if " WARNING " in line]
+    assert len(set(_messages("\n".join(warnings)))) == len(warnings), warnings
+
+
+def test_the_doctors_warnings_are_logged_once_in_agent_log(tmp_path: Path) -> None:
+    """The real ``libreyolo doctor`` on the demo's dataset (its one class has fewer than ten
+    instances: a warning), checked as staging checks it, agent.log written as the daemon writes
+    it. Each warning was logged where it was found and again by the caller."""
+    import shutil
+
+    from agent import demo
+    from agent.data import staging
+    from agent.state import StateStore
+    from tests.support import tiny_job
+
+    if shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("the training stack (libreyolo) is not installed: run ./install.sh")
+    logutil.rate_limit.reset()
+    data = demo.make_dataset(tmp_path / "ds")
+    job = tiny_job(tmp_path, data, doctor=True)
+    store = StateStore(tmp_path / "state")
+    store.ensure()
+    with logutil.to_file(store.log_handler()):
+        outcome = asyncio.run(staging.check_data(job, None, doctor=True))
+    assert outcome.ok, outcome.cause
+    found = (outcome.report or {})["data_check"]["warnings"]
+    assert found, "the demo dataset is expected to draw a doctor warning"
+    messages = _messages(store.path("agent.log").read_text())
+    for warning in found:
+        assert sum(warning in m for m in messages) == 1, (warning, messages)

@@ -150,6 +150,19 @@ def parse_job(
     return job_from_dict(doc, source=source, base_dir=base_dir, train_options=train_options)
 
 
+def _unknown_section(name: str) -> ConfigError:
+    """``trian: unknown section; did you mean [train]? (expected one of: ...)``: the closest
+    section names, as a misspelt ``[train]`` option gets its closest options."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), _SECTIONS, n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(f'[{c}]' for c in close)}?" if close else ""
+    return ConfigError(
+        name or repr(name),
+        f"unknown section{hint} (expected one of: {', '.join(_SECTIONS)})",
+    )
+
+
 def job_from_dict(
     doc: Mapping[str, Any],
     *,
@@ -175,11 +188,7 @@ def job_from_dict(
         return p if p.is_absolute() else (base / p)
 
     for name in sorted(set(doc) - set(_SECTIONS)):
-        errors.add(
-            ConfigError(
-                name or repr(name), f"unknown section (expected one of: {', '.join(_SECTIONS)})"
-            )
-        )
+        errors.add(_unknown_section(name))
 
     t = Table("job", doc.get("job", {}), errors)
     d_job = JobSection()

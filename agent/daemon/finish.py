@@ -205,7 +205,7 @@ class Ending:
             if flags.shutdown.is_set():
                 return False
         why = "released" if (ctx.state.hold or {}).get("released_at") else "hold timed out"
-        log.info("HELD -> TEARDOWN (%s)", why)
+        # transition() logs the change ("phase HELD -> TEARDOWN (released)"): not twice.
         transition(ctx.state, Phase.TEARDOWN, note=why)  # HELD -> TEARDOWN
         ctx.save()
         return True

@@ -126,8 +126,7 @@ async def check_data(
         log.error("dataset check failed: %s", exc)
         failed = {**report, "ok": False, "error": str(exc), "findings": exc.findings}
         return StagingOutcome(False, failed, f"dataset check failed: {exc}")
-    for warning in check.warnings:
-        log.warning("dataset: %s", warning)
+    # Each of check.warnings was logged where it was found (agent/data/datacheck.py).
     log.info("dataset %s checked (doctor %s)", check.data_yaml, check.doctor_status)
     data_check = {
         "data_yaml": str(check.data_yaml),

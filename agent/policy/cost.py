@@ -6,6 +6,10 @@ month`` dollars an hour. A destroyed box costs nothing more, but coming back mea
 of ``G`` hours before the next run, stopping costs ``G x stopped rate`` and destroying costs
 ``rebuild_usd``; they break even at ``rebuild_usd / stopped rate`` hours.
 
+The rebuild cost can be given, or derived as the guide measured it: ``setup minutes x running
+price / 60 + GB transferred in x transfer price``: 15 minutes at $3.4828/h plus 43 GB at the
+default :data:`TRANSFER_USD_PER_GB` ($0.003/GB, $3 per TB) is $0.87 + $0.13, about $1.00.
+
 Hours per month: 720 (a 30-day month) by default, because that is what reproduces the rate
 measured on a rented box (250 GB at $0.20/GB-month billed $0.0694/h stopped; 730, the average
 month, would give $0.0685/h). ``--hours-per-month 730`` is there for providers that bill that way.
@@ -21,10 +25,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from agent.config.jobvalues import ConfigError
+from agent.config.jobvalues import ConfigError, ConfigErrors
 
 #: Hours in a month as providers bill storage: 30 days (see the module docstring).
 HOURS_PER_MONTH = 720.0
+
+#: Inbound transfer price, USD per GB, when ``--transfer-usd-per-gb`` is not given: $3 per TB,
+#: what the guide's rebuild (15 minutes of setup plus 43 GB in, about $1.00 at $3.4828/h) implies.
+TRANSFER_USD_PER_GB = 0.003
 
 #: The verdict for a gap: the cheaper of the two ways to leave the box.
 Verdict = Literal["stop", "destroy"]
@@ -52,6 +60,11 @@ class CostInputs:
     gap_hours: float | None = None
     #: Hours in a billing month (default 720, a 30-day month).
     hours_per_month: float = HOURS_PER_MONTH
+    #: Where ``rebuild_usd`` was derived (:func:`rebuild_usd`): the setup minutes, the GB
+    #: transferred in and the transfer price, USD per GB; None when it was given.
+    setup_minutes: float | None = None
+    transfer_gb: float | None = None
+    transfer_usd_per_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,17 @@ def stopped_usd_per_hour(
 ) -> float:
     """What a stopped box costs per hour: its disk, ``GB x $/GB-month / hours per month``."""
     return disk_gb * storage_usd_per_gb_month / hours_per_month
+
+
+def rebuild_usd(
+    setup_minutes: float,
+    running_usd_per_hour: float,
+    transfer_gb: float,
+    transfer_usd_per_gb: float = TRANSFER_USD_PER_GB,
+) -> float:
+    """What destroying and coming back costs: the setup time at the running price plus the
+    dataset's inbound transfer, USD."""
+    return setup_minutes * running_usd_per_hour / 60.0 + transfer_gb * transfer_usd_per_gb
 
 
 def break_even_hours(rebuild_usd: float, stopped_rate: float) -> float | None:
@@ -140,13 +164,32 @@ _FIELDS: dict[str, tuple[str, str, bool]] = {
         True,
     ),
     "gap_hours": ("--gap-hours", "the expected gap in hours, 0 or more (e.g. 8)", True),
+    "setup_minutes": (
+        "--setup-minutes",
+        "the minutes a new box takes to set up, 0 or more (e.g. 15)",
+        True,
+    ),
+    "transfer_gb": (
+        "--transfer-gb",
+        "the GB transferred in on a rebuild, 0 or more (e.g. 43)",
+        True,
+    ),
+    "transfer_usd_per_gb": (
+        "--transfer-usd-per-gb",
+        "the inbound transfer price in USD per GB, 0 or more (e.g. 0.003)",
+        True,
+    ),
     "hours_per_month": (
         "--hours-per-month",
         "the hours in a billing month, more than 0 (720 or 730)",
         False,
     ),
 }
-_REQUIRED = ("disk_gb", "storage_usd_per_gb_month", "rebuild_usd")
+_REQUIRED = ("disk_gb", "storage_usd_per_gb_month")
+#: What derives the rebuild cost when ``--rebuild-usd`` is not given.
+_DERIVE = ("setup_minutes", "transfer_gb", "running_usd_per_hour")
+#: The options of the per-job form; every other one belongs to the stop-or-destroy form.
+PER_JOB_OPTIONS = ("--per-job", "--epochs", "--json")
 
 
 def _number(name: str, raw: str) -> float:
@@ -166,10 +209,52 @@ def parse_inputs(raw: Mapping[str, str | None]) -> CostInputs:
     Raises :class:`ConfigError` naming the option, the value and what was expected; the
     missing required options are named together, in one error."""
     missing = [_FIELDS[name][0] for name in _REQUIRED if raw.get(name) is None]
+    derive = [
+        name
+        for name in ("setup_minutes", "transfer_gb", "transfer_usd_per_gb")
+        if raw.get(name) is not None
+    ]
+    if raw.get("rebuild_usd") is not None and derive:
+        raise ConfigError(
+            "--rebuild-usd",
+            f"give it, or {', '.join(_FIELDS[n][0] for n in derive)} to derive it, not both",
+        )
+    if raw.get("rebuild_usd") is None:
+        lacking = [_FIELDS[n][0] for n in _DERIVE if raw.get(n) is None]
+        if not derive:
+            missing.append("--rebuild-usd (or --setup-minutes and --transfer-gb to derive it)")
+        elif lacking:
+            missing.append(f"{', '.join(lacking)} (to derive the rebuild cost)")
     if missing:
         raise ConfigError("cost", f"needs {', '.join(missing)} (see libreyolo-agent cost --help)")
     values = {name: _number(name, text) for name, text in raw.items() if text is not None}
+    if "rebuild_usd" not in values:
+        values.setdefault("transfer_usd_per_gb", TRANSFER_USD_PER_GB)
+        values["rebuild_usd"] = rebuild_usd(
+            values["setup_minutes"],
+            values["running_usd_per_hour"],
+            values["transfer_gb"],
+            values["transfer_usd_per_gb"],
+        )
     return CostInputs(**values)
+
+
+def refuse_other_form(given: list[str], *, per_job: bool) -> None:
+    """Options given (as typed, ``--disk-gb``) that do not belong to the chosen form: the
+    per-job comparison (``--per-job``) takes only :data:`PER_JOB_OPTIONS`, the stop-or-destroy
+    calculator takes no ``--epochs``. Raises one :class:`ConfigError` per option, together:
+    ignored silently, they would make the user believe they counted."""
+    if per_job:
+        wrong = [o for o in given if o not in PER_JOB_OPTIONS]
+        why = "belongs to the stop-or-destroy form; --per-job compares boxes per job"
+    else:
+        wrong = [o for o in given if o == "--epochs"]
+        why = "applies to --per-job only (the per-job comparison)"
+    errors = [ConfigError(option, f"{why}: leave it out") for option in wrong]
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
 
 
 # ----------------------------------------------------------------------------------- output
@@ -201,7 +286,13 @@ def format_report(report: CostReport) -> str:
             f"{_price(i.storage_usd_per_gb_month)}/GB-month / {i.hours_per_month:g} h)",
         )
     )
-    rows.append(("destroyed", f"$0/h; coming back costs a rebuild, {_usd(i.rebuild_usd)}"))
+    rebuild = f"$0/h; coming back costs a rebuild, {_usd(i.rebuild_usd)}"
+    if i.setup_minutes is not None and i.running_usd_per_hour is not None:
+        rebuild += (
+            f" ({i.setup_minutes:g} min of setup at ${i.running_usd_per_hour:g}/h + "
+            f"{i.transfer_gb or 0:g} GB in at {_price(i.transfer_usd_per_gb or 0)}/GB)"
+        )
+    rows.append(("destroyed", rebuild))
     if report.break_even_hours is None:
         rows.append(("break-even", "none: a stopped box costs nothing here, stop for any gap"))
     else:

@@ -107,7 +107,35 @@ def teardown_text(s: Mapping[str, Any], now: float) -> str:
         return f"{open_words(td)}: {td.get('detail') or td.get('why') or '-'}"
     if isinstance(td, Mapping) and td:
         return f"{teardown_words(td)}: {td.get('detail') or td.get('why') or '-'}"
-    return "-"
+    plan = s.get("teardown_plan")
+    return plan_text(plan) if isinstance(plan, Mapping) and plan else "-"
+
+
+#: Providers that have no stop: the verified-sync gate keeps their box instead
+#: (agent/providers/lambdalabs.py ``can_stop = False``; agent/policy/teardown.py ``decide``).
+NO_STOP_PROVIDERS = ("lambda",)
+
+
+def plan_text(plan: Mapping[str, Any]) -> str:
+    """What the teardown will do, before it is decided, from ``/status``'s ``teardown_plan``
+    (the rules of agent/policy/teardown.py ``decide``): "when training ends: destroy (vast)
+    if every checkpoint is verified, else stop; after a failure: stop"."""
+    provider = str(plan.get("provider") or "none")
+    if provider == "none":
+        return "none: nothing is torn down (teardown.provider = none)"
+    fallback = "keep (it has no stop)" if provider in NO_STOP_PROVIDERS else "stop"
+
+    def gated(action: object) -> str:
+        if action == "destroy" and plan.get("require_verified_sync"):
+            return f"destroy ({provider}) if every checkpoint is verified, else {fallback}"
+        if action == "stop" and provider in NO_STOP_PROVIDERS:
+            return f"keep ({provider} has no stop)"
+        return f"{action} ({provider})"
+
+    text = f"when training ends: {gated(plan.get('on_success'))}"
+    if plan.get("on_failure") != plan.get("on_success"):
+        text += f"; after a failure: {gated(plan.get('on_failure'))}"
+    return text
 
 
 def summary(s: Mapping[str, Any], now: float) -> str:

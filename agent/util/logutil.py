@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import sys
 import threading
@@ -277,10 +278,59 @@ def raise_fd_limit(cap: int = FD_LIMIT_CAP) -> int:
 # The one place logging is configured: the console (the CLI) and agent.log (the daemon).
 
 
+#: The syslog priority of each logging level, as journald reads it from a ``<N>`` prefix.
+SYSLOG_PRIORITY = {
+    logging.CRITICAL: 2,
+    logging.ERROR: 3,
+    logging.WARNING: 4,
+    logging.INFO: 6,
+    logging.DEBUG: 7,
+}
+
+
+def journal_stream(fd: int | None = None) -> bool:
+    """Whether ``fd`` (default: stderr) is connected to the systemd journal: systemd sets
+    ``JOURNAL_STREAM=DEVICE:INODE`` for a service whose output goes there, and the descriptor
+    must be that very stream (sd-daemon(3)): a child that inherited the variable with its
+    stderr sent to a file (the guard's guard.log) gets no prefixes."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    dev, sep, ino = value.partition(":")
+    if not sep:
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno() if fd is None else fd)
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def syslog_prefix(priority: int) -> str:
+    """``<N>`` when stderr is the journal (:func:`journal_stream`), else ""."""
+    return f"<{priority}>" if journal_stream() else ""
+
+
+class SyslogPrefixFormatter(logging.Formatter):
+    """Each line of a record starts with its syslog priority (``<4>`` for a warning), which
+    journald turns into the entry's priority (``SyslogLevelPrefix=``, on by default), so
+    ``journalctl -p warning`` finds warnings; a traceback's lines keep their record's level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{SYSLOG_PRIORITY.get(record.levelno, _nearest_priority(record.levelno))}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
+
+
+def _nearest_priority(levelno: int) -> int:
+    """A custom level's priority: that of the standard level just below it."""
+    below = [level for level in SYSLOG_PRIORITY if level <= levelno]
+    return SYSLOG_PRIORITY[max(below)] if below else SYSLOG_PRIORITY[logging.DEBUG]
+
+
 def configure_console(verbose: bool) -> None:
-    """The ``agent`` loggers to stderr, short lines, repeated warnings rate-limited."""
+    """The ``agent`` loggers to stderr, short lines, repeated warnings rate-limited; each line
+    with its syslog priority when stderr is the journal (:func:`journal_stream`)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+    formatter = SyslogPrefixFormatter if journal_stream() else logging.Formatter
+    handler.setFormatter(formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
     root = logging.getLogger("agent")
     for old in root.handlers:
         uninstall(old)
