@@ -225,6 +225,11 @@ def _print_ready(daemon: Daemon) -> None:
         f"http://{server.get('host')}:{server.get('port')}/status, state in {daemon.env.state_dir}",
         file=sys.stderr,
     )
+    print(
+        "the page's controls need the control token: libreyolo-agent token --login-url "
+        f"--state-dir {daemon.env.state_dir} prints a link that logs the page in",
+        file=sys.stderr,
+    )
 
 
 def _print_summary(daemon: Daemon, demo_root: Path | None) -> None:
