@@ -104,6 +104,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return _show(args)
     except KeyboardInterrupt:  # Ctrl-C is how a person ends a follow (or a long tail)
         return 0
+    except BrokenPipeError:
+        # The reader went away (`logs --follow | grep -m1 ...`): as normal an end as Ctrl-C.
+        # stdout to /dev/null, so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -137,7 +142,7 @@ def _show(args: argparse.Namespace) -> int:
         follow(path, start, out)
     except OSError as exc:
         if isinstance(exc, BrokenPipeError):
-            raise  # the CLI's main: no traceback, stdout quietened
+            raise  # cmd_logs: the reader went away
         err(f"cannot read {path}: {exc.strerror or exc}")
         return EXIT_FAIL
     return EXIT_OK

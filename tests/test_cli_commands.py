@@ -247,7 +247,9 @@ def test_no_command_prints_a_traceback_to_a_reader_that_went_away(
     job = str(write_job(tmp_path, '[train]\ndata = "/data/set/data.yaml"\n'))
     proc = with_closed_stdout(tmp_path, *(job if a == "JOB" else a for a in args))
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
-    assert proc.returncode == 1, proc.stderr
+    # The commands say 1 (what they had to say was not read); a log's reader going away is
+    # how `logs` ends.
+    assert proc.returncode == (0 if args[0] == "logs" else 1), proc.stderr
 
 
 def test_status_piped_to_head_prints_its_first_line_only(tmp_path: Path) -> None:

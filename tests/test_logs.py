@@ -161,7 +161,7 @@ def test_follow_whose_reader_went_away_ends_without_a_traceback(state: Path) -> 
         assert reader.readline() == "first\n"
     # The next line it writes meets the closed pipe.
     append(log, "second\n")
-    assert proc.wait(timeout=WAIT_S) == 1
+    assert proc.wait(timeout=WAIT_S) == 0  # as normal an end as Ctrl-C
     assert proc.stderr is not None
     with proc.stderr:
         err = proc.stderr.read()
