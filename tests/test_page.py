@@ -1,8 +1,11 @@
 """The dashboard (``GET /``) in a real headless Chromium, against the real daemon and server.
 
-The daemon trains a real ``yolox-n`` on a tiny CPU dataset; the page is driven with Playwright's
-async API in the daemon's own event loop, with Debian's ``chromium`` (``.ci/run`` installs it;
-``playwright install`` is never run). The phone viewport (390 px wide) is the one users have.
+Most tests open the page on a served run at a chosen moment (tests/fakes/page_agent.py: the
+real /status document over a real ledger and run directory, the real HTTP server, the daemon's
+own steering rules); one trains for real. There the daemon trains a real ``yolox-n`` on a tiny
+CPU dataset; the page is driven with Playwright's async API in the daemon's own event loop.
+The browser is Debian's ``chromium`` (``.ci/run`` installs it; ``playwright install`` is never
+run). The phone viewport (390 px wide) is the one users have.
 docs/dashboard.png comes from this test:
 ``LIBREYOLO_AGENT_SCREENSHOT=docs/dashboard.png .venv/bin/python -m pytest tests/test_page.py``.
 """
@@ -25,9 +28,10 @@ from agent import demo
 from agent.config.model import Env
 from agent.daemon.spine import Daemon
 from agent.state import Phase
+from agent.status.server import StatusServer
+from agent.sync.ledger import ItemKind, Ledger
+from tests.fakes.page_agent import TOKEN, Moment, Scene, make_scene
 from tests.support import HANG_S, tiny_job, wait_for
-
-pytestmark = pytest.mark.training
 
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
@@ -99,6 +103,7 @@ async def get_json(base: str, path: str) -> Any:
         return await r.json()
 
 
+@pytest.mark.training
 @requires_libreyolo
 @requires_browser
 def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
@@ -217,3 +222,219 @@ def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
     assert code == 0
     assert daemon.state.reason is not None and daemon.state.reason.value == "stopped_by_user"
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+# ---- served runs at chosen moments (no training) ------------------------------------------------
+
+#: ``check(page, base_url, scene, server)``: what a test does on the served page.
+ScenePage = Callable[[Page, str, Scene, StatusServer], Awaitable[None]]
+
+
+def on_scene(
+    tmp: Path,
+    moment: Moment,
+    check: ScenePage,
+    *,
+    target: str = "hf://acme/yolox-coco",
+    clock: bool = False,
+    prepare: Callable[[Scene], None] | None = None,
+) -> list[str]:
+    """Serve ``moment`` of a run (``prepare`` may change it first) and open the page on it in
+    Chromium at 390 px; then ``check``. With ``clock``, the page's clock is Playwright's
+    (``page.clock``), so a test can move it on. Returns the page's errors (refused connections
+    left out: a test may stop the server, as the agent's exit does)."""
+    errors: list[str] = []
+
+    def on_console(msg: ConsoleMessage) -> None:
+        if msg.type == "error" and "ERR_CONNECTION_REFUSED" not in msg.text:
+            errors.append(f"console: {msg.text}")
+
+    async def main() -> None:
+        scene = make_scene(tmp, moment, target=target)
+        if prepare is not None:
+            prepare(scene)
+        server = scene.server()
+        port = await server.start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            assert async_playwright is not None and CHROMIUM is not None
+            async with async_playwright() as pw:
+                browser = await pw.chromium.launch(
+                    executable_path=CHROMIUM, args=["--disable-dev-shm-usage", "--disable-gpu"]
+                )
+                try:
+                    page = await browser.new_page(viewport={"width": 390, "height": 844})
+                    page.on("console", on_console)
+                    page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+                    page.on("dialog", lambda dialog: dialog.accept())
+                    expect.set_options(timeout=30_000)
+                    if clock:
+                        await page.clock.install()
+                    await page.goto(f"{base}/")
+                    await check(page, base, scene, server)
+                finally:
+                    await browser.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    return errors
+
+
+def ledger_checkpoints(ledger: Ledger) -> list[tuple[str, str]]:
+    """The ledger's ``.pt`` files as the page must list them: newest first, sha256 prefix."""
+    pts = [
+        e
+        for e in ledger.entries.values()
+        if e.kind in (ItemKind.LAST, ItemKind.BEST, ItemKind.EPOCH)
+    ]
+    pts.sort(key=lambda e: (e.verified_at or e.queued_at, e.remote_path), reverse=True)
+    return [(e.remote_path, e.sha256[:12]) for e in pts]
+
+
+async def page_checkpoints(page: Page) -> list[tuple[str, str]]:
+    items = page.locator("#ckpt-list li[data-path]")
+    got = await items.evaluate_all("els => els.map(e => [e.dataset.path, e.dataset.sha])")
+    return [(str(p), str(h)) for p, h in got]
+
+
+@requires_browser
+@pytest.mark.parametrize(
+    "target", ["hf://acme/yolox-coco", "file:///srv/checkpoints"], ids=["hub", "folder"]
+)
+def test_checkpoint_list_is_the_ledgers(tmp_path: Path, target: str) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        want = ledger_checkpoints(scene.ledger)
+        assert len(want) >= 5  # last, best, epoch_N; small files and logs are not listed
+        first = page.locator("#ckpt-list li[data-path]").first
+        await expect(page.locator("#ckpt-list li[data-path]")).to_have_count(len(want))
+        assert await page_checkpoints(page) == want
+        if target.startswith("hf://"):
+            href = await first.locator("a").get_attribute("href")
+            assert href == f"https://huggingface.co/acme/yolox-coco/blob/main/{want[0][0]}"
+        else:
+            await expect(first).to_contain_text(f"/srv/checkpoints/{want[0][0]}")
+        # The one still queued says so; the verified ones say their size and when.
+        await expect(first).to_contain_text("not verified yet")
+        await expect(page.locator("#ckpt-list li[data-path]").nth(1)).to_contain_text("71.3 MB")
+        await expect(page.locator("#ckpt-list li[data-path]").nth(1)).to_contain_text("verified ")
+
+    assert on_scene(tmp_path, "mid", check, target=target) == []
+
+
+@requires_browser
+def test_page_after_the_agent_exits_is_frozen_and_says_the_outcome(tmp_path: Path) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        doc = await get_json(base, "/status")
+        await expect(page.locator("#phase")).to_have_text("DONE")
+        end = page.locator("#end")
+        await expect(end).to_be_visible()
+        await expect(page.locator("#end-line")).to_contain_text(
+            "Run ended: training completed all its epochs"
+        )
+        assert doc["post_mortem"]["location"].endswith("/blob/main/agent/report.md")
+        await expect(page.locator("#report-link")).to_have_attribute(
+            "href", doc["post_mortem"]["location"]
+        )
+        await expect(page.locator("#elapsed")).not_to_have_text("-")
+        elapsed = await page.locator("#elapsed").text_content()
+        await server.stop()  # the agent exits: every request fails from now on
+        await page.clock.fast_forward(10 * 60_000)  # ten minutes of polls and ticks
+        conn = page.locator("#conn")
+        await expect(conn).to_contain_text("not answering since")
+        assert "updating" not in (await conn.text_content() or "")
+        # The clocks stopped at the end: ten minutes later they say the same.
+        assert await page.locator("#elapsed").text_content() == elapsed
+        await expect(page.locator("#deadline")).to_have_text("the run has ended")
+        await expect(end).to_be_visible()
+        for name in ("stop", "extend", "hold", "release"):
+            await expect(page.locator(f"#btn-{name}")).to_be_disabled()
+        await expect(page.locator("#why-stop")).to_contain_text("nothing to stop")
+
+    assert on_scene(tmp_path, "done", check, clock=True) == []
+
+
+def _nearly_all_extensions(scene: Scene) -> None:
+    # 29.5 days already added: one more day is past the 30-day cap, which only the request's
+    # own duration can show; the page lets the button be pressed and the server answers 409.
+    scene.state.extended_s = 29.5 * 86400
+
+
+@requires_browser
+def test_a_refused_control_shows_the_servers_reason(tmp_path: Path) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        await expect(page.locator("#phase")).to_have_text("TRAINING")
+        await expect(page.locator("#token-file")).to_have_text(str(scene.state_dir / "token"))
+        await page.get_by_label("Token").fill(TOKEN)
+        extend = page.get_by_role("button", name="Extend")
+        await expect(extend).to_be_enabled()
+        await page.locator("#extend-by").fill("1d")
+        await extend.click()
+        result = page.locator("#action-result")
+        await expect(result).to_contain_text("extend refused (HTTP 409)")
+        await expect(result).to_contain_text("add up to at most 30d")
+        # The token is kept in this tab: a reload needs no paste.
+        await page.reload()
+        await expect(page.get_by_label("Token")).to_have_value(TOKEN)
+        # A hold that ends before training does is warned about.
+        await expect(page.locator("#hold-warning")).to_be_visible()
+        await expect(page.locator("#hold-warning")).to_contain_text(
+            "before training is expected to end"
+        )
+
+    errors = on_scene(tmp_path, "mid", check, prepare=_nearly_all_extensions)
+    # Chromium logs the refused request itself; nothing else may go wrong.
+    assert [e for e in errors if "409 (Conflict)" not in e] == []
+
+
+@requires_browser
+def test_held_teardown_panel_says_what_happens_at_the_holds_end(tmp_path: Path) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        await expect(page.locator("#phase")).to_have_text("HELD")
+        teardown = page.locator("#teardown")
+        await expect(teardown).to_contain_text("Held until")
+        await expect(teardown).to_contain_text(
+            "the teardown goes ahead: destroy: teardown.on_success = destroy"
+        )
+        await expect(teardown).not_to_contain_text("made when training ends")
+        # In HELD, extend is refused (and says why); stop, hold and release act.
+        await expect(page.locator("#btn-extend")).to_be_disabled()
+        await expect(page.locator("#why-extend")).to_contain_text("the box is held")
+        for name in ("stop", "hold", "release"):
+            await expect(page.locator(f"#btn-{name}")).to_be_enabled()
+
+    assert on_scene(tmp_path, "held", check) == []
+
+
+@requires_browser
+def test_chart_hover_shows_the_epochs_values_and_every_metric_is_selectable(
+    tmp_path: Path,
+) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        history = {r["epoch"]: r for r in await get_json(base, "/history")}
+        chart = page.locator("#chart")
+        await expect(chart).to_have_attribute("data-points", str(len(history)))
+        right = page.locator("#chart-right")
+        options = await right.locator("option").evaluate_all("os => os.map(o => o.value)")
+        for key in ("train/loss", "metrics/mAP50", "metrics/mAP50-95", "metrics/precision"):
+            assert key in options
+        assert "metrics/recall" in options and "train/cls_loss" in options and "time" in options
+        await right.select_option("metrics/mAP50")
+        await expect(page.locator("#metric-name")).to_have_text("metrics/mAP50")
+        await page.locator("#chart-left").select_option("time")
+        await expect(page.locator("#left-name")).to_have_text("seconds per epoch")
+
+        box = await chart.bounding_box()
+        assert box is not None
+        await chart.hover(position={"x": box["width"] * 0.55, "y": box["height"] / 2})
+        tip = page.locator("#chart-tip")
+        await expect(tip).to_be_visible()
+        text = await tip.text_content() or ""
+        epoch = int(text.split()[1])
+        row = history[epoch]
+        # The values are the row's, as the page rounds them (4 significant decimals).
+        assert f"seconds per epoch {round(row['time'], 4):g}" in text, (text, row)
+        want = round(row["metrics/mAP50"], 4) if "metrics/mAP50" in row else "-"
+        assert f"metrics/mAP50 {want}" in text, (text, row)
+
+    assert on_scene(tmp_path, "mid", check) == []

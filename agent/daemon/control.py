@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from agent.config.jobvalues import MAX_STEERING_S
 from agent.daemon.context import RunContext
 from agent.daemon.finish import teardown_action
 from agent.daemon.sizingrun import SizingRun
 from agent.daemon.training import reserve_s
 from agent.guard import plan as guardplan
 from agent.policy import steering
-from agent.state import Phase
+from agent.state import Phase, RunState
 from agent.status.document import StatusInputs, status_document
 from agent.status.server import StatusServer
 from agent.status.views import tail_lines
@@ -142,40 +143,12 @@ class Control:
             ctx.events.publish("steering", action="stop")
             ctx.flags.release.set()
             return answer
-        held = ""
-        if steering.hold_active(state, now) and state.hold is not None:
-            held = (
-                f"; the box is then HELD until {steering.utc_iso(float(state.hold['until']))} "
-                "as asked (`release` lets the teardown go ahead)"
-            )
-        if phase.terminal:
-            raise steering.SteeringError(
-                f"nothing to stop: the run has ended ({phase.value})", status=steering.CONFLICT
-            )
-        if phase is Phase.TEARDOWN:
-            raise steering.SteeringError(
-                "nothing to stop: the run has ended and its teardown is under way",
-                status=steering.CONFLICT,
-            )
-        if phase is Phase.FINISHING:
-            raise steering.SteeringError(
-                "nothing to stop: training is over and the final sync runs, then the teardown"
-                + (held or " follows on its own"),
-                status=steering.CONFLICT,
-            )
-        if ctx.flags.shutdown.is_set():
-            raise steering.SteeringError(
-                "the agent is exiting (state.json keeps the run; the trainer goes on unless "
-                "job.stop_trainer_on_exit): send stop again to the next agent",
-                status=steering.CONFLICT,
-            )
-        already = self._stopping()
-        if already is not None:
-            raise steering.SteeringError(
-                f"a stop is already under way ({already}): the final sync, then the teardown"
-                + held,
-                status=steering.CONFLICT,
-            )
+        refusal = stop_refusal(
+            state, now, stopping=self._stopping(), exiting=ctx.flags.shutdown.is_set()
+        )
+        if refusal is not None:
+            raise steering.SteeringError(refusal, status=steering.CONFLICT)
+        held = _held_note(state, now)
         ctx.flags.stop_job.set()
         state.steering.append({"at": now, "action": "stop", "phase": phase.value})
         ctx.save()
@@ -221,7 +194,26 @@ class Control:
                 supervision=self._supervision(),
                 notify=ctx.notifier.status() if ctx.notifier else None,
                 sizing=self.sizing.status(),
+                ledger=list(ctx.sync.ledger.entries.values()) if ctx.sync else (),
+                actions=self.actions(),
+                # Only while HELD: the decision reads the run directory (anything to save?).
+                teardown_preview=self._teardown_preview()
+                if ctx.state.phase is Phase.HELD and ctx.state.reason
+                else None,
+                token_file=str(ctx.store.path("token")),
             )
+        )
+
+    def actions(self) -> dict[str, dict[str, Any]]:
+        """``actions`` of ``/status``: whether each steering action would be acted on now, and
+        why not (the reason a 409 would give), so the page's buttons and the server agree."""
+        ctx = self.ctx
+        return available_actions(
+            ctx.state,
+            ctx.clock(),
+            max_runtime_s=ctx.job.limits.max_runtime_s,
+            stopping=self._stopping(),
+            exiting=ctx.flags.shutdown.is_set(),
         )
 
     def _supervision(self) -> dict[str, Any]:
@@ -252,3 +244,86 @@ class Control:
         ctx = self.ctx
         run_dir = ctx.run_dir
         return read_metrics(run_dir) if run_dir is not None else []
+
+
+# ---------------------------------------------------------------------- which actions act now
+
+
+def _held_note(state: RunState, now: float) -> str:
+    """What a stop's answer adds when a hold is set: the box is HELD after the run."""
+    if steering.hold_active(state, now) and state.hold is not None:
+        return (
+            f"; the box is then HELD until {steering.utc_iso(float(state.hold['until']))} "
+            "as asked (`release` lets the teardown go ahead)"
+        )
+    return ""
+
+
+def stop_refusal(state: RunState, now: float, *, stopping: str | None, exiting: bool) -> str | None:
+    """Why ``POST /stop`` is refused (409) in the run's present state; None where it acts.
+    HELD acts while the hold holds (:func:`agent.policy.steering.stop_held`)."""
+    phase = state.phase
+    if phase is Phase.HELD:
+        if steering.hold_active(state, now):
+            return None
+        return "nothing to stop: the hold has ended and the teardown goes ahead"
+    if phase.terminal:
+        return f"nothing to stop: the run has ended ({phase.value})"
+    if phase is Phase.TEARDOWN:
+        return "nothing to stop: the run has ended and its teardown is under way"
+    if phase is Phase.FINISHING:
+        return "nothing to stop: training is over and the final sync runs, then the teardown" + (
+            _held_note(state, now) or " follows on its own"
+        )
+    if exiting:
+        return (
+            "the agent is exiting (state.json keeps the run; the trainer goes on unless "
+            "job.stop_trainer_on_exit): send stop again to the next agent"
+        )
+    if stopping is not None:
+        return (
+            f"a stop is already under way ({stopping}): the final sync, then the teardown"
+            + _held_note(state, now)
+        )
+    return None
+
+
+def available_actions(
+    state: RunState,
+    now: float,
+    *,
+    max_runtime_s: float | None,
+    stopping: str | None,
+    exiting: bool,
+) -> dict[str, dict[str, Any]]:
+    """For each of stop, extend, hold and release: ``{"ok": True}`` where the agent would act
+    on it now, else ``{"ok": False, "reason": ...}`` with the 409's reason. The same rules as
+    the requests (:func:`stop_refusal`, :mod:`agent.policy.steering`); what depends on the
+    request's duration (an extension past 30 days in all) is left to the answer."""
+    phase = state.phase
+    extend: str | None = None
+    if phase not in steering._EXTENDABLE:
+        extend = steering._not_extendable(phase)
+    elif stopping is not None:
+        extend = f"cannot extend: the run is already stopping ({stopping})"
+    elif max_runtime_s is None:
+        extend = "nothing to extend: the job has no limits.max_runtime"
+    elif state.extended_s >= MAX_STEERING_S:
+        extend = "cannot extend: the run's extensions already add up to the 30-day cap"
+    hold: str | None = None
+    decided = (state.teardown or {}).get("action") if phase is Phase.TEARDOWN else None
+    if phase.terminal:
+        hold = f"cannot hold: the run has ended ({phase.value}) and its teardown is done"
+    elif decided:
+        hold = f"cannot hold: the teardown is under way ({decided}, decided already)"
+    release = None if steering.hold_active(state, now) else steering._nothing_held(state, now)
+    refusals = {
+        "stop": stop_refusal(state, now, stopping=stopping, exiting=exiting),
+        "extend": extend,
+        "hold": hold,
+        "release": release,
+    }
+    return {
+        name: {"ok": True} if why is None else {"ok": False, "reason": why}
+        for name, why in refusals.items()
+    }

@@ -6,16 +6,18 @@ No secret is ever part of it: the state holds none, the sync status names paths 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.config.model import Job, LimitsSection
+from agent.config.model import Job, LimitsSection, SyncSection
 from agent.policy.cost import stopped_usd_per_hour
 from agent.policy.limits import deadlines
 from agent.policy.steering import steering_status
 from agent.policy.teardown import NOT_CONFIRMED, is_open
 from agent.state import RunState
+from agent.sync.ledger import ItemKind, LedgerEntry, LedgerStatus
 from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_metrics
 from agent.util.disk import nearest_existing
 
@@ -42,6 +44,26 @@ class StatusInputs:
     notify: dict[str, Any] | None = None
     #: "Is this the right box?": the verdict, the projection, the profiler's result.
     sizing: dict[str, Any] | None = None
+    #: The sync ledger's entries (agent/sync/ledger.py): the ``checkpoints`` list is made of them.
+    ledger: Iterable[LedgerEntry] = ()
+    #: Which steering actions the agent would act on now, each ``{"ok": bool, "reason": str}``
+    #: (agent/daemon/control.py's rules, the same that answer 409), or None where unknown.
+    actions: dict[str, dict[str, Any]] | None = None
+    #: What the teardown will do for the run's reason (``destroy: teardown.on_success = destroy``),
+    #: shown while HELD; None before the reason is known.
+    teardown_preview: str | None = None
+    #: Where the control token is (a path, never the token): the page tells people where to look.
+    token_file: str | None = None
+
+
+#: At most this many checkpoints are listed in ``/status`` (newest first); the rest are counted.
+MAX_CHECKPOINTS = 50
+#: The Hub's web address: a checkpoint's ``location`` is a page there a person can open.
+HUB_WEB = "https://huggingface.co"
+#: Where the post-mortem lands on the target (the engine stores state files under ``agent/``).
+REPORT_REMOTE_PATH = "agent/report.md"
+#: Ledger kinds that are checkpoints (``.pt``); logs and small files are not listed.
+_CHECKPOINT_KINDS = frozenset({ItemKind.LAST, ItemKind.BEST, ItemKind.EPOCH})
 
 
 def latest_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -54,6 +76,7 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
     st, state, trainer = i.status, i.state, i.state.trainer
     alive = bool(trainer and pid_alive(trainer.pid, trainer.create_time))
     eta = st.eta_seconds if st and st.state == "running" else None
+    ledger = list(i.ledger)
     return {
         "job": i.job.job.name,
         "phase": state.phase.value,
@@ -86,6 +109,11 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "supervision": i.supervision,
         "notify": i.notify,
         "sizing": i.sizing,
+        **checkpoint_list(ledger, i.job.sync),
+        "post_mortem": post_mortem(ledger, i.job.sync),
+        "actions": i.actions,
+        "teardown_preview": i.teardown_preview,
+        "token_file": i.token_file,
         # What the teardown will do, before it is decided (then ``teardown`` has the record).
         "teardown_plan": {
             "provider": i.job.teardown.provider,
@@ -155,3 +183,54 @@ def provider_disk(preflight: dict[str, Any] | None) -> tuple[float | None, float
                 float(storage) if isinstance(storage, int | float) else None,
             )
     return None, None
+
+
+def target_location(sync: SyncSection | None, remote_path: str) -> str | None:
+    """Where ``remote_path`` is on the target, as a person opens it: the Hub page of the file
+    (``https://huggingface.co/<repo>/blob/main/<path>``; the sink writes to ``main``) or the
+    file's path in the ``file://`` folder. None without a target."""
+    if sync is None:
+        return None
+    if sync.scheme == "hf":
+        return f"{HUB_WEB}/{sync.location}/blob/main/{remote_path}"
+    return str(Path(sync.location) / remote_path)
+
+
+def checkpoint_list(
+    entries: Iterable[LedgerEntry], sync: SyncSection | None, limit: int = MAX_CHECKPOINTS
+) -> dict[str, Any]:
+    """``checkpoints``: the ``.pt`` files of the ledger, newest first (verified time, else
+    queued time), at most ``limit``, each with its place on the target, size, sha256 prefix and
+    verified time; ``checkpoints_more``: how many more the ledger has. Kept small: /status is
+    polled every few seconds and a long run keeps hundreds of ``epoch_N.pt``."""
+    pts = [e for e in entries if e.kind in _CHECKPOINT_KINDS]
+    pts.sort(key=lambda e: (e.verified_at or e.queued_at, e.remote_path), reverse=True)
+    return {
+        "checkpoints": [
+            {
+                "path": e.remote_path,
+                "location": target_location(sync, e.remote_path),
+                "epoch": e.epoch,
+                "kind": e.kind.value,
+                "size": e.size,
+                "sha256": e.sha256[:12],
+                "status": e.status.value,
+                "verified_at": e.verified_at if e.status is LedgerStatus.VERIFIED else None,
+            }
+            for e in pts[:limit]
+        ],
+        "checkpoints_more": max(0, len(pts) - limit),
+    }
+
+
+def post_mortem(entries: Iterable[LedgerEntry], sync: SyncSection | None) -> dict[str, Any] | None:
+    """Where ``report.md`` is (or will be) on the target, and whether it was verified there:
+    the link a person follows once the agent has gone. None without a target."""
+    location = target_location(sync, REPORT_REMOTE_PATH)
+    if location is None:
+        return None
+    entry = next((e for e in entries if e.remote_path == REPORT_REMOTE_PATH), None)
+    return {
+        "location": location,
+        "verified": entry is not None and entry.status is LedgerStatus.VERIFIED,
+    }
