@@ -448,3 +448,29 @@ def test_the_doctors_warnings_are_logged_once_in_agent_log(tmp_path: Path) -> No
     messages = _messages(store.path("agent.log").read_text())
     for warning in found:
         assert sum(warning in m for m in messages) == 1, (warning, messages)
+
+
+def test_the_doctors_errors_are_logged_once_in_agent_log(tmp_path: Path) -> None:
+    """The doctor's errors were logged three times: where found (a warning), by staging (the
+    error) and by the training loop that stops the trainer for them."""
+    import shutil
+
+    from agent import demo
+    from agent.data import staging
+    from agent.state import StateStore
+    from tests.support import tiny_job
+
+    if shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("the training stack (libreyolo) is not installed: run ./install.sh")
+    logutil.rate_limit.reset()
+    data = demo.make_dataset(tmp_path / "ds")
+    shutil.rmtree(tmp_path / "ds" / "images" / "val")
+    job = tiny_job(tmp_path, data, doctor=True)
+    store = StateStore(tmp_path / "state")
+    store.ensure()
+    with logutil.to_file(store.log_handler()):
+        outcome = asyncio.run(staging.check_data(job, None, doctor=True))
+    assert not outcome.ok
+    log = store.path("agent.log").read_text()
+    assert log.count("doctor found 1 error(s)") == 1, log
+    assert " ERROR agent.data.staging: dataset check failed: libreyolo doctor found" in log

@@ -255,7 +255,8 @@ class Training:
         bad_data = self.doctor.verdict()
         if bad_data is not None:
             ctx.breach_message = bad_data
-            log.error("%s: stopping the trainer", bad_data)
+            # The doctor's findings were logged as it reported them (staging.check_data).
+            log.info("stopping the trainer: the dataset doctor found errors")
             return Reason.PREFLIGHT_FAILED
         if ctx.gpu is not None and ctx.box_fault is None:
             read = asyncio.ensure_future(asyncio.to_thread(ctx.gpu.faults))

@@ -259,7 +259,7 @@ def check_data_yaml(
         )
         if len(bad) > 5:
             text += f" | and {len(bad) - 5} more"
-        log.warning("dataset: doctor found %d error(s) in %s: %s", errors or len(bad), path, text)
+        # Not logged here: the error says it, and its caller logs it (staging.check_data).
         fix = "fix the dataset and upload a new archive" if staged else "fix the dataset"
         raise DoctorError(
             f"libreyolo doctor found {errors or len(bad)} error(s) in {path}: "
