@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from playwright.async_api import Page, async_playwright
 
+from agent.config.model import DEFAULT_STATE_DIR
 from tests.fakes.page_agent import MOMENTS, TOKEN, Moment, make_scene
 
-WIDTHS = {1280: 900, 390: 844}
+WIDTHS = {1280: 800, 390: 780}
 SCHEMES = ("light", "dark")
-QUALITY = 60
+QUALITY = 40
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -52,6 +53,7 @@ async def shoot(out: Path, chromium: str) -> list[Path]:
             for moment in MOMENTS:
                 with tempfile.TemporaryDirectory() as tmp:
                     scene = make_scene(Path(tmp), moment)
+                    scene.shown_state_dir = DEFAULT_STATE_DIR
                     server = scene.server()
                     port = await server.start()
                     base = f"http://127.0.0.1:{port}"
@@ -87,7 +89,7 @@ async def shoot(out: Path, chromium: str) -> list[Path]:
                             box = await chart.bounding_box()
                             assert box is not None
                             await chart.hover(
-                                position={"x": box["width"] * 0.6, "y": box["height"] / 2}
+                                position={"x": box["width"] * 0.68, "y": box["height"] / 2}
                             )
                         path = out / f"{moment}-{scheme}-{width}.jpg"
                         await page.screenshot(path=str(path), type="jpeg", quality=QUALITY)

@@ -84,6 +84,9 @@ class Scene:
     state_dir: Path
     now: float
     events: EventBus = field(default_factory=EventBus)
+    #: The state directory the document names (the token's folder); None: ``state_dir``.
+    #: Screenshots show the default one, not a temporary folder.
+    shown_state_dir: Path | None = None
 
     def document(self) -> dict[str, Any]:
         st = read_status(self.run_dir)
@@ -103,7 +106,7 @@ class Scene:
                     "in_flight": [],
                     "failures": [],
                 },
-                last_synced_epoch=st.completed_epochs if st else None,
+                last_synced_epoch=st.completed_epochs if st and st.completed_epochs else None,
                 preflight=None,
                 staging=None,
                 state_write_error=None,
@@ -119,7 +122,7 @@ class Scene:
                 teardown_preview="destroy: teardown.on_success = destroy"
                 if self.state.phase is Phase.HELD
                 else None,
-                token_file=str(self.state_dir / "token"),
+                token_file=str((self.shown_state_dir or self.state_dir) / "token"),
             )
         )
 
@@ -265,7 +268,36 @@ on_success = "destroy"
             "performed": True,
             "confirmed": True,
         }
-    return Scene(job, state, ledger, run_dir, state_dir, now)
+    scene = Scene(job, state, ledger, run_dir, state_dir, now)
+    tell(scene.events, moment, epoch)
+    return scene
+
+
+def tell(bus: EventBus, moment: Moment, epoch: int) -> None:
+    """The events the page's feed replays: phases, the last epochs and their uploads."""
+    bus.publish("phase", **{"from": "STAGING", "to": "TRAINING"})
+    for e in range(max(1, epoch - 4), epoch + 1):
+        row = metrics_row(e)
+        bus.publish(
+            "epoch",
+            epoch=e,
+            total_epochs=EPOCHS,
+            loss=row["train/loss"],
+            metric=row["current_metric"],
+            metric_name=row["current_metric_name"],
+        )
+        bus.publish("upload", path="weights/last.pt", epoch=e, ok=True)
+        bus.publish("upload", path="metrics.jsonl", epoch=e, ok=True)
+    if moment == "held":
+        bus.publish("steering", action="hold", seconds=6600.0)
+        bus.publish("steering", action="stop")
+        bus.publish("phase", **{"from": "TRAINING", "to": "FINISHING", "reason": "stopped_by_user"})
+        bus.publish("phase", **{"from": "FINISHING", "to": "HELD"})
+    if moment == "done":
+        bus.publish("phase", **{"from": "TRAINING", "to": "FINISHING", "reason": "completed"})
+        bus.publish("phase", **{"from": "FINISHING", "to": "TEARDOWN"})
+        bus.publish("teardown", action="destroy", why="teardown.on_success = destroy")
+        bus.publish("phase", **{"from": "TEARDOWN", "to": "DONE"})
 
 
 @dataclass(frozen=True)
