@@ -68,12 +68,9 @@ async def shoot(out: Path, chromium: str) -> list[Path]:
                             )
                             await page.goto(base + "/")
                             await settle(page, moment)
-                            if moment == "held":  # the teardown panel and the controls
+                            if moment == "held":  # the token is kept: the buttons are usable
                                 await page.fill("#token", TOKEN)
-                                await page.locator("#h-ckpt").scroll_into_view_if_needed()
-                                await page.evaluate(
-                                    "document.getElementById('h-ckpt').scrollIntoView()"
-                                )
+                                await page.evaluate("window.scrollTo(0, 0)")
                             pages.append((scheme, width, page))
                     if moment == "done":  # the agent exits; the open pages notice
                         await server.stop()

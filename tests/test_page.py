@@ -113,7 +113,8 @@ def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
         tmp_path,
         dataset,
         epochs=300,
-        sections='[limits]\nprice_usd_per_hour = 3.48\nbudget_usd = 50\nmax_runtime = "2h"\n',
+        sections='[limits]\nprice_usd_per_hour = 3.48\nbudget_usd = 50\nmax_runtime = "2h"\n'
+        f'[sync]\ntarget = "file://{tmp_path / "synced"}"\n',
     )
     env = Env(state_dir=tmp_path / "state")
     daemon = Daemon(job, env, poll_interval_s=0.5)
@@ -148,8 +149,10 @@ def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
 
         await page.goto(f"{base}/")
         await expect(page.locator("#phase")).to_have_text("TRAINING")
-        # Subscribed to /events (not polling): the replayed history is listed.
+        # Subscribed to /events (not polling): the replayed history is listed (filtered to
+        # phases: the uploads of every epoch would push it out of the feed's last 15).
         await expect(page.locator("#conn")).to_have_text("live")
+        await page.locator("#event-filter").select_option("phase")
         await expect(page.locator("#events")).to_contain_text("STAGING \u2192 TRAINING")
 
         # The progress bar says what /status says (an epoch may end in between: read again).
@@ -205,11 +208,30 @@ def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
         await expect(page.locator("#phase")).to_have_text("HELD")
         await expect(page.locator("#hold")).to_contain_text("held")
         seen["held_in_page"] = daemon.state.phase
+        # HELD: the teardown panel says what comes at the hold's end; extend is refused.
+        await expect(page.locator("#teardown")).to_contain_text("the teardown goes ahead")
+        await expect(page.locator("#btn-extend")).to_be_disabled()
+        # The checkpoint list is the sync ledger's (the final sync is over in HELD).
+        assert daemon.ctx.sync is not None
+        want = ledger_checkpoints(daemon.ctx.sync.ledger)
+        assert want and all(p.endswith(".pt") for p, _ in want)
+        for _ in range(200):
+            if await page_checkpoints(page) == want:
+                break
+            await asyncio.sleep(0.3)
+        assert await page_checkpoints(page) == want
         seen["errors"] = list(errors)
         await page.get_by_role("button", name="Release").click()
         await expect(result).to_contain_text("\u2713 release")
-        # Released, the job ends and the agent with it: the page's requests then find no one
-        # listening, which Chromium logs; nothing else may go wrong.
+        # Released, the job ends and the agent with it: the page says so, its clocks stop,
+        # and it never claims to be "updating" from an agent that has gone.
+        await expect(page.locator("#conn")).to_contain_text("not answering since")
+        assert "updating" not in (await page.locator("#conn").text_content() or "")
+        await expect(page.locator("#phase")).to_have_text("DONE")
+        await expect(page.locator("#end-line")).to_contain_text("Run ended: stopped on request")
+        await expect(page.locator("#deadline")).to_have_text("the run has ended")
+        # The page's requests then find no one listening, which Chromium logs; nothing else
+        # may go wrong.
         seen["errors_after_release"] = [
             e for e in errors[len(seen["errors"]) :] if "ERR_CONNECTION_REFUSED" not in e
         ]
@@ -397,6 +419,9 @@ def test_held_teardown_panel_says_what_happens_at_the_holds_end(tmp_path: Path) 
             "the teardown goes ahead: destroy: teardown.on_success = destroy"
         )
         await expect(teardown).not_to_contain_text("made when training ends")
+        # And first on the page: held until when, then what.
+        await expect(page.locator("#end-line")).to_contain_text("Held: the box stays up until")
+        await expect(page.locator("#end-detail")).to_contain_text("destroy")
         # In HELD, extend is refused (and says why); stop, hold and release act.
         await expect(page.locator("#btn-extend")).to_be_disabled()
         await expect(page.locator("#why-extend")).to_contain_text("the box is held")
@@ -434,7 +459,23 @@ def test_chart_hover_shows_the_epochs_values_and_every_metric_is_selectable(
         row = history[epoch]
         # The values are the row's, as the page rounds them (4 significant decimals).
         assert f"seconds per epoch {round(row['time'], 4):g}" in text, (text, row)
-        want = round(row["metrics/mAP50"], 4) if "metrics/mAP50" in row else "-"
+        want = round(row["metrics/mAP50"], 4) if "metrics/mAP50" in row else "(not validated)"
         assert f"metrics/mAP50 {want}" in text, (text, row)
+
+    assert on_scene(tmp_path, "mid", check) == []
+
+
+@requires_browser
+def test_event_feed_filters_by_kind(tmp_path: Path) -> None:
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        items = page.locator("#events li")
+        await expect(page.locator("#events")).to_contain_text("upload: ")
+        await page.locator("#event-filter").select_option("epoch")
+        await expect(page.locator("#events")).not_to_contain_text("upload: ")
+        texts = await items.all_text_contents()
+        assert len(texts) == 5 and all(" epoch: epoch " in t for t in texts), texts
+        await page.locator("#event-filter").select_option("upload")
+        texts = await items.all_text_contents()
+        assert texts and all(" upload: " in t for t in texts), texts
 
     assert on_scene(tmp_path, "mid", check) == []
