@@ -444,6 +444,7 @@ def test_chart_hover_shows_the_epochs_values_and_every_metric_is_selectable(
         for key in ("train/loss", "metrics/mAP50", "metrics/mAP50-95", "metrics/precision"):
             assert key in options
         assert "metrics/recall" in options and "train/cls_loss" in options and "time" in options
+        assert "gpu/util_pct" in options and "gpu/power_w" in options
         await right.select_option("metrics/mAP50")
         await expect(page.locator("#metric-name")).to_have_text("metrics/mAP50")
         await page.locator("#chart-left").select_option("time")

@@ -13,7 +13,7 @@ import pytest
 
 from agent.config.jobvalues import MAX_STEERING_S
 from agent.config.model import SyncSection
-from agent.daemon.control import available_actions, stop_refusal
+from agent.daemon.control import available_actions, gpu_summary, stop_refusal
 from agent.policy import steering
 from agent.state import Phase, RunState
 from agent.status.document import MAX_CHECKPOINTS, checkpoint_list, post_mortem
@@ -184,3 +184,14 @@ def test_available_actions_agree_with_what_the_requests_answer(
         assert got[name]["ok"] is (why is None), (name, why, got[name])
         if why is not None:
             assert got[name]["reason"]  # the page shows it beside the disabled button
+
+
+def test_history_gpu_figures_are_the_mean_utilisation_and_the_total_power() -> None:
+    gpus = [
+        {"index": 0, "util_pct": 90.0, "power_w": 600.0, "power_limit_w": 700.0},
+        {"index": 1, "util_pct": 70.0, "power_w": None, "power_limit_w": 700.0},
+    ]
+    assert gpu_summary(gpus) == {"gpu/util_pct": 80.0, "gpu/power_w": 600.0}
+    # A figure NVML did not give is left out, never a 0.
+    assert gpu_summary([{"index": 0, "util_pct": None, "power_w": None}]) == {}
+    assert gpu_summary([]) == {}

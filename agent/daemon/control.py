@@ -16,6 +16,7 @@ from agent.daemon.context import RunContext
 from agent.daemon.finish import teardown_action
 from agent.daemon.sizingrun import SizingRun
 from agent.daemon.training import reserve_s
+from agent.events import Event
 from agent.guard import plan as guardplan
 from agent.policy import steering
 from agent.state import Phase, RunState
@@ -37,6 +38,9 @@ class Control:
         self.ctx = ctx
         self.sizing = sizing
         self.server: StatusServer | None = None
+        #: Per epoch, the GPUs as NVML last saw them when the epoch ended (``/history``).
+        self.gpu_by_epoch: dict[int, dict[str, float]] = {}
+        ctx.events.listen(self._note_gpu)
 
     async def request_extend(self, body: str) -> dict[str, Any]:
         """``POST /extend``: more time before the deadline (the guard's moves with it)."""
@@ -240,10 +244,24 @@ class Control:
         }
 
     def _history_rows(self) -> list[dict[str, Any]]:
-        """GET /history (runs in a thread): the run's metrics.jsonl rows."""
+        """GET /history (runs in a thread): the run's metrics.jsonl rows, each with the GPUs'
+        utilisation and power at the epoch's end where NVML gave them (``gpu/util_pct``,
+        ``gpu/power_w``; this agent's epochs only: they are kept in memory)."""
         ctx = self.ctx
         run_dir = ctx.run_dir
-        return read_metrics(run_dir) if run_dir is not None else []
+        rows = read_metrics(run_dir) if run_dir is not None else []
+        gpu = dict(self.gpu_by_epoch)
+        return [{**r, **gpu.get(r.get("epoch"), {})} for r in rows]  # type: ignore[arg-type]
+
+    def _note_gpu(self, event: Event) -> None:
+        """At each epoch's end, the stall watch's latest NVML sample (no NVML call of its own)."""
+        progress = self.ctx.progress
+        if event.kind != "epoch" or progress is None:
+            return
+        epoch = event.data.get("epoch")
+        summary = gpu_summary(progress.snapshot().get("gpus") or [])
+        if isinstance(epoch, int) and summary:
+            self.gpu_by_epoch[epoch] = summary
 
 
 # ---------------------------------------------------------------------- which actions act now
@@ -327,3 +345,17 @@ def available_actions(
         name: {"ok": True} if why is None else {"ok": False, "reason": why}
         for name, why in refusals.items()
     }
+
+
+def gpu_summary(gpus: list[dict[str, Any]]) -> dict[str, float]:
+    """``gpu/util_pct`` (the mean over the GPUs) and ``gpu/power_w`` (their sum) of NVML
+    samples (:meth:`agent.gpu.health.GpuSample.as_dict`); a figure NVML did not give is left out.
+    """
+    utils = [float(g["util_pct"]) for g in gpus if isinstance(g.get("util_pct"), int | float)]
+    watts = [float(g["power_w"]) for g in gpus if isinstance(g.get("power_w"), int | float)]
+    out: dict[str, float] = {}
+    if utils:
+        out["gpu/util_pct"] = sum(utils) / len(utils)
+    if watts:
+        out["gpu/power_w"] = sum(watts)
+    return out

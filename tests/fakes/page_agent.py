@@ -41,7 +41,8 @@ EPOCH_S = 95.0
 
 
 def metrics_row(epoch: int) -> dict[str, Any]:
-    """One metrics.jsonl row as LibreYOLO 1.6 writes it (validated every 2nd epoch)."""
+    """One /history row: metrics.jsonl's as LibreYOLO 1.6 writes it (validated every 2nd
+    epoch), with the GPU figures the agent adds."""
     loss = round(9.0 * 0.93**epoch + 1.2, 4)
     row: dict[str, Any] = {
         "epoch": epoch,
@@ -55,6 +56,9 @@ def metrics_row(epoch: int) -> dict[str, Any]:
         "train/obj_loss": round(loss * 0.4, 4),
         "train/cls_loss": round(loss * 0.15, 4),
         "lr/group0": 0.01,
+        # Merged in by the agent's /history (agent/daemon/control.py), not LibreYOLO's.
+        "gpu/util_pct": 86.0 + (epoch % 4) * 2.5,
+        "gpu/power_w": 590.0 + (epoch % 3) * 12.0,
     }
     if row["validated"]:
         m = round(0.62 * (1 - 0.9**epoch), 4)
