@@ -410,6 +410,28 @@ def test_a_refused_control_shows_the_servers_reason(tmp_path: Path) -> None:
 
 
 @requires_browser
+def test_the_login_url_keeps_the_token_and_leaves_the_address_bar(tmp_path: Path) -> None:
+    """`libreyolo-agent token --login-url` prints http://localhost:PORT/#token=...: opened, the
+    page keeps the token (a control then works without a paste) and drops the fragment."""
+
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        # Pasted into the tab already on the page (a hash change), then opened fresh.
+        await page.goto(f"{base}/#token={TOKEN}")
+        await expect(page.get_by_label("Token")).to_have_value(TOKEN)
+        assert "token" not in page.url, page.url
+        await page.evaluate("sessionStorage.clear()")
+        fresh = page
+        await fresh.goto("about:blank")
+        await fresh.goto(f"{base}/#token={TOKEN}x")
+        await expect(fresh.get_by_label("Token")).to_have_value(f"{TOKEN}x")
+        assert "token" not in fresh.url, fresh.url
+        await fresh.reload()
+        await expect(fresh.get_by_label("Token")).to_have_value(f"{TOKEN}x")
+
+    assert on_scene(tmp_path, "mid", check) == []
+
+
+@requires_browser
 def test_held_teardown_panel_says_what_happens_at_the_holds_end(tmp_path: Path) -> None:
     async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
         await expect(page.locator("#phase")).to_have_text("HELD")
