@@ -598,8 +598,9 @@ def bench_p1_p7(cfg: Config, root: Path, want: set[str]) -> list[Section]:
             f"Agent RSS during training (median of its samples): {fmt_spread(rss_t, 'MiB', 1)}.",
             "Anchor: `bench/common.py poll`, a bare Python loop that every 20 s reads "
             "status.json and hashes last.pt, on the same training at the same time.",
-            "Not in the agent's figure: the guard process the agent starts (`python -m agent.guard`, its "
-            f"own session), peak {fmt_spread(guard, 'MiB', 1)}; on a GPU box the NVML host "
+            "Not in the agent's figure: the guard process the agent starts "
+            f"(`python -m agent.guard`, its own session), peak {fmt_spread(guard, 'MiB', 1)}; "
+            "on a GPU box the NVML host "
             "(`python -I -S agent/gpu/nvml.py`: the driver's libraries, kept out of the agent), "
             f"peak {fmt_spread(nvml_host, 'MiB', 1) if nvml_host else 'none started'}.",
         ]
