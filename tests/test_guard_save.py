@@ -9,6 +9,7 @@ a webhook receiver on 127.0.0.1.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -102,21 +103,39 @@ def test_held_the_guard_waits_for_the_holds_own_end_then_acts(
 
 # ------------------------------------------------------------------- saving before the stop
 
-TRAINER = textwrap.dedent(
+
+def pt(data: bytes) -> bytes:
+    """A checkpoint as torch.save writes one: a zip (a fixed date: the same bytes each time)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(zipfile.ZipInfo("archive/data.pkl", (2026, 1, 1, 0, 0, 0)), data)
+    return buf.getvalue()
+
+
+TRAINER = inspect.getsource(pt) + textwrap.dedent(
     """
     import os, signal, sys, time, pathlib
     weights = pathlib.Path(sys.argv[1]) / "weights"
     weights.mkdir(parents=True, exist_ok=True)
     for name, data in (("last.pt", b"epoch-2" * 5000), ("epoch_1.pt", b"epoch-1" * 100),
                        ("best.pt", b"best" * 100)):
-        (weights / name).write_bytes(data)
+        (weights / name).write_bytes(pt(data))
     mode = sys.argv[2]
     def clean(signum, frame):
         tmp = weights / "last.pt.tmp"
-        tmp.write_bytes(b"epoch-7-final" * 5000)
+        tmp.write_bytes(pt(b"epoch-7-final" * 5000))
         os.replace(tmp, weights / "last.pt")
         sys.exit(130)
-    signal.signal(signal.SIGINT, clean if mode == "clean" else signal.SIG_IGN)
+    def torn(signum, frame):
+        # LibreYOLO rewrites last.pt in place: a stop in the middle leaves the zip's first bytes.
+        (weights / "last.pt").write_bytes(pt(b"epoch-7-final" * 5000)[:665])
+        sys.exit(130)
+    if mode == "torn":
+        clean = torn
+    signal.signal(signal.SIGINT, clean if mode in ("clean", "torn") else signal.SIG_IGN)
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("ready", flush=True)
@@ -240,7 +259,7 @@ def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the
     # The trainer got SIGINT and saved its final last.pt; that very version is on the target.
     assert proc.wait(10) == 130
     local = run_dir / "weights" / "last.pt"
-    assert local.read_bytes() == b"epoch-7-final" * 5000
+    assert local.read_bytes() == pt(b"epoch-7-final" * 5000)
     stored = target / "weights" / "last.pt"
     assert stored.read_bytes() == local.read_bytes()
     td = record(state_dir)["teardown"]
@@ -281,6 +300,43 @@ def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the
     assert all(hook not in json.dumps(b) for b in bodies)
 
 
+def test_a_last_pt_torn_by_the_stop_is_never_uploaded_over_the_targets_copy(
+    tmp_path: Path,
+    state_dir: Path,
+    guards: list[int],
+    trainers: list[subprocess.Popen[bytes]],
+    vast_env: None,
+) -> None:
+    """Seen on an H200 (docs/gpu-validation.md 10): the guard's SIGINT landed while LibreYOLO
+    rewrote last.pt in place; the 665 bytes left were uploaded over the verified copy."""
+    target = tmp_path / "synced"
+    good = pt(b"epoch-5" * 5000)  # what the agent synced and verified before it died
+    (target / "weights").mkdir(parents=True)
+    (target / "weights" / "last.pt").write_bytes(good)
+    proc, run_dir = start_trainer(tmp_path, "torn", trainers)
+    job = write_job(tmp_path, target, None)
+    with run_fake_vast(keys={VAST_KEY}) as vast:
+        vast.add_instance("1234")
+        plan_with_job(state_dir, job, provider="vast", api_url=vast.url)
+        stale_heartbeat(state_dir)
+        created = psutil.Process(proc.pid).create_time()
+        save_state(
+            state_dir, Phase.TRAINING, trainer=trainer_record(proc, run_dir, create_time=created)
+        )
+        assert wait_exit(start(state_dir, guards), timeout=120) == 0
+        assert vast.mutations() == STOPS  # the box is still stopped: saving is best effort
+    assert proc.wait(10) == 130
+    assert (run_dir / "weights" / "last.pt").stat().st_size == 665
+    assert (target / "weights" / "last.pt").read_bytes() == good
+    rescue = record(state_dir)["teardown"]["rescue"]
+    assert rescue["last_pt"]["saved"] is False and rescue["last_pt"]["torn"] is True
+    assert "not a complete checkpoint (665 bytes" in rescue["last_pt"]["why"]
+    assert "weights/last.pt" in rescue["unsaved"]
+    # best.pt is whole: it is saved.
+    assert rescue["best_pt"]["saved"] is True
+    assert "not a complete checkpoint" in guard_log(state_dir)
+
+
 def test_a_trainer_that_ignores_sigint_and_sigterm_is_killed_and_its_last_pt_saved(
     tmp_path: Path,
     state_dir: Path,
@@ -300,7 +356,7 @@ def test_a_trainer_that_ignores_sigint_and_sigterm_is_killed_and_its_last_pt_sav
     assert proc.wait(10) == -signal.SIGKILL
     rescue = record(state_dir)["teardown"]["rescue"]
     assert rescue["trainer"]["signal"] == "SIGKILL"
-    assert (target / "weights" / "last.pt").read_bytes() == b"epoch-2" * 5000
+    assert (target / "weights" / "last.pt").read_bytes() == pt(b"epoch-2" * 5000)
     assert rescue["last_pt"]["saved"] is True
 
 
@@ -426,7 +482,7 @@ def test_the_guard_saves_last_pt_to_an_hf_target_through_the_real_hub_client(
         save_state(state_dir, Phase.TRAINING, trainer=trainer)
         assert wait_exit(start(state_dir, guards), timeout=180) == 0
         stored = hub.files("model", "org/run1").get("weights/last.pt")
-    assert stored == b"epoch-7-final" * 5000
+    assert stored == pt(b"epoch-7-final" * 5000)
     rescue = record(state_dir)["teardown"]["rescue"]
     assert rescue["last_pt"]["saved"] is True and rescue["last_pt"]["target"] == "hf://org/run1"
     assert token not in guard_log(state_dir)
@@ -504,9 +560,9 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
 
     weights = tmp_path / "runs" / "run1" / "weights"
     weights.mkdir(parents=True)
-    (weights / "last.pt").write_bytes(b"L" * 100)
-    (weights / "best.pt").write_bytes(b"B" * 50)  # rewritten since its verified upload
-    (weights / "epoch_1.pt").write_bytes(b"E" * 50)
+    (weights / "last.pt").write_bytes(pt(b"L" * 100))
+    (weights / "best.pt").write_bytes(pt(b"B" * 50))  # rewritten since its verified upload
+    (weights / "epoch_1.pt").write_bytes(pt(b"E" * 50))
     state_dir = tmp_path / "state"
     state_dir.mkdir()
 
@@ -521,7 +577,7 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
             "queued_at": 1.0,
         }
 
-    ledger = [entry("weights/epoch_1.pt", b"E" * 50), entry("weights/best.pt", b"b" * 50)]
+    ledger = [entry("weights/epoch_1.pt", pt(b"E" * 50)), entry("weights/best.pt", pt(b"b" * 50))]
     atomic_write_json(state_dir / "sync-ledger.json", {"entries": ledger})
     job = parse_job(
         f'[job]\nname = "run1"\nruns_dir = "{tmp_path / "runs"}"\n[train]\ndata = "/d.yaml"\n'
@@ -532,10 +588,10 @@ def test_what_the_agents_ledger_holds_verified_is_not_called_unsaved(tmp_path: P
     state = RunState(job_name="run1", job_source="t")
     report = asyncio.run(rescue(state, job, None, env, state_dir, timeout_s=60))
     assert report["last_pt"]["saved"] is True
-    assert (tmp_path / "synced" / "weights" / "last.pt").read_bytes() == b"L" * 100
+    assert (tmp_path / "synced" / "weights" / "last.pt").read_bytes() == pt(b"L" * 100)
     # best.pt was rewritten since its verified upload: saved again; epoch_1.pt is verified.
     assert report["best_pt"]["saved"] is True and "already" not in report["best_pt"]
-    assert (tmp_path / "synced" / "weights" / "best.pt").read_bytes() == b"B" * 50
+    assert (tmp_path / "synced" / "weights" / "best.pt").read_bytes() == pt(b"B" * 50)
     assert report["unsaved"] == []
     assert report["trainer"] == {"stopped": False, "why": "state.json records no trainer"}
 

@@ -249,6 +249,18 @@ async def _save(
     entry = ledger.get(remote_path)
     try:
         size = last.stat().st_size
+        from agent.trainer.rundir import is_valid_checkpoint
+
+        if not await asyncio.to_thread(is_valid_checkpoint, last):
+            # Seen on an H200: the guard's SIGINT landed while LibreYOLO rewrote last.pt in
+            # place, which left 665 bytes of a zip. Uploaded, it would have replaced the copy
+            # the agent verified on the target: a torn file is never sent.
+            why = (
+                f"{last} is not a complete checkpoint ({size} bytes, not a whole zip: torn while "
+                "the trainer wrote it?); not uploaded, so the target keeps the copy it holds"
+            )
+            log.error("guard: %s", why)
+            return {"path": str(last), "saved": False, "torn": True, "why": why}
         if entry is not None and entry.get("size") == size:
             from agent.sinks.digests import sha256_file
 
