@@ -234,18 +234,17 @@ def trainer_record(proc: subprocess.Popen[bytes], run_dir: Path, *, create_time:
     )
 
 
-def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the_stop(
+def guard_stops_a_vast_box(
     tmp_path: Path,
     state_dir: Path,
     guards: list[int],
     trainers: list[subprocess.Popen[bytes]],
-    vast_env: None,
-    webhook: tuple[str, list[dict[str, Any]]],
-) -> None:
-    hook, bodies = webhook
-    target = tmp_path / "synced"
-    proc, run_dir = start_trainer(tmp_path, "clean", trainers)
-    job = write_job(tmp_path, target, hook)
+    mode: str,
+    job: Path,
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A trainer stand-in (``mode``) in TRAINING, its agent silent past the hard deadline: the
+    guard runs to its end and stops the (fake) Vast box."""
+    proc, run_dir = start_trainer(tmp_path, mode, trainers)
     with run_fake_vast(keys={VAST_KEY}) as vast:
         vast.add_instance("1234")
         plan_with_job(state_dir, job, provider="vast", api_url=vast.url)
@@ -256,6 +255,22 @@ def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the
         )
         assert wait_exit(start(state_dir, guards), timeout=120) == 0
         assert vast.mutations() == STOPS
+    return proc, run_dir
+
+
+def test_the_guard_stops_the_trainer_and_verifies_last_pt_off_the_box_before_the_stop(
+    tmp_path: Path,
+    state_dir: Path,
+    guards: list[int],
+    trainers: list[subprocess.Popen[bytes]],
+    vast_env: None,
+    webhook: tuple[str, list[dict[str, Any]]],
+) -> None:
+    hook, bodies = webhook
+    target = tmp_path / "synced"
+    proc, run_dir = guard_stops_a_vast_box(
+        tmp_path, state_dir, guards, trainers, "clean", write_job(tmp_path, target, hook)
+    )
     # The trainer got SIGINT and saved its final last.pt; that very version is on the target.
     assert proc.wait(10) == 130
     local = run_dir / "weights" / "last.pt"
@@ -313,18 +328,9 @@ def test_a_last_pt_torn_by_the_stop_is_never_uploaded_over_the_targets_copy(
     good = pt(b"epoch-5" * 5000)  # what the agent synced and verified before it died
     (target / "weights").mkdir(parents=True)
     (target / "weights" / "last.pt").write_bytes(good)
-    proc, run_dir = start_trainer(tmp_path, "torn", trainers)
-    job = write_job(tmp_path, target, None)
-    with run_fake_vast(keys={VAST_KEY}) as vast:
-        vast.add_instance("1234")
-        plan_with_job(state_dir, job, provider="vast", api_url=vast.url)
-        stale_heartbeat(state_dir)
-        created = psutil.Process(proc.pid).create_time()
-        save_state(
-            state_dir, Phase.TRAINING, trainer=trainer_record(proc, run_dir, create_time=created)
-        )
-        assert wait_exit(start(state_dir, guards), timeout=120) == 0
-        assert vast.mutations() == STOPS  # the box is still stopped: saving is best effort
+    proc, run_dir = guard_stops_a_vast_box(
+        tmp_path, state_dir, guards, trainers, "torn", write_job(tmp_path, target, None)
+    )  # the box is still stopped when last.pt is torn: saving is best effort
     assert proc.wait(10) == 130
     assert (run_dir / "weights" / "last.pt").stat().st_size == 665
     assert (target / "weights" / "last.pt").read_bytes() == good

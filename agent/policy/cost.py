@@ -194,14 +194,7 @@ PER_JOB_OPTIONS = ("--per-job", "--epochs", "--json")
 
 def _number(name: str, raw: str) -> float:
     option, expected, zero_ok = _FIELDS[name]
-    text = raw.strip().removeprefix("$")
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(option, f"{raw!r} is not a number; expected {expected}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(option, f"{raw!r} is out of range; expected {expected}")
-    return value
+    return _positive_number(option, raw, expected, zero=zero_ok)
 
 
 def parse_inputs(raw: Mapping[str, str | None]) -> CostInputs:
