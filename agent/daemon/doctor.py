@@ -22,16 +22,14 @@ A restarted agent that re-attaches to the trainer does not run the doctor again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import signal
 import subprocess
 from typing import Any
 
 from agent.config.model import Job
 from agent.daemon.context import RunContext
 from agent.data import staging
+from agent.util.procs import kill_group
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +143,5 @@ class DoctorBeside:
         self.due, self.report = False, None
         for proc in self.procs:
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_group(proc.pid)
         self.task = None
