@@ -291,7 +291,7 @@ def test_after_done_the_heartbeat_starts_no_guard(
     async def main() -> int:
         app = web.Application()
         app.router.add_post("/hook", hang)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=1.0)  # the hung hook: not 60 s
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
