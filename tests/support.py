@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+import pytest
+
 from agent.config.jobfile import parse_job
 from agent.config.model import Job
+
+#: tests/fakes/pause_trainer: a ``sitecustomize`` that makes a real trainer stop itself after
+#: an epoch (its docstring says how and why).
+PAUSE_TRAINER_DIR = Path(__file__).resolve().parent / "fakes" / "pause_trainer"
+PAUSE_ENV = "LIBREYOLO_TEST_PAUSE_AFTER_EPOCH"
 
 
 def tiny_job(
@@ -85,16 +93,44 @@ async def wait_for(pred: Callable[[], Any], timeout: float = HANG_S) -> None:
         await asyncio.sleep(0.05)
 
 
-def slow_stage(seconds: float) -> tuple[Callable[[], None], threading.Event]:
-    """A STAGING hook that takes ``seconds``, and an event set when it starts: a window in
-    which the agent is up (HTTP, token) but no trainer runs."""
-    started = threading.Event()
+class HeldStage:
+    """A STAGING hook that holds the agent in STAGING until the test calls :meth:`release`:
+    a window in which the agent is up (HTTP, token) but no trainer runs, for as long as the
+    test needs it. (A staging of a fixed few seconds ended, under load, while the test's
+    commands were still starting: they saw the job past STAGING.) ``started`` is set once the
+    agent is in the hook. Release it in a ``finally``: a held agent never ends."""
 
-    def hook() -> None:
-        started.set()
-        time.sleep(seconds)
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self._released = threading.Event()
 
-    return hook, started
+    def __call__(self) -> None:
+        self.started.set()
+        self._released.wait(HANG_S)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def pause_after_epoch(monkeypatch: pytest.MonkeyPatch, epoch: int) -> None:
+    """Real trainers started from now on (they inherit this environment) stop themselves with
+    SIGSTOP once ``epoch``'s checkpoints and ``status.json`` are written (tests/fakes/
+    pause_trainer): a test stops a run at a known epoch whatever the machine's speed, where a
+    SIGSTOP sent after the agent saw the epoch raced the trainer. Undo with
+    ``monkeypatch.delenv(PAUSE_ENV)`` before a trainer that must run through starts."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(PAUSE_TRAINER_DIR), path) if p)
+    )
+    monkeypatch.setenv(PAUSE_ENV, str(epoch))
+
+
+def is_stopped(pid: int) -> bool:
+    """The process ``pid`` is stopped (SIGSTOP): a paused trainer has paused."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
 
 
 async def post_stop(base: str, state_dir: Path) -> None:

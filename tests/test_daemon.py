@@ -26,7 +26,7 @@ from agent import demo
 from agent.config.model import Env, Job, PreflightSection
 from agent.daemon.spine import Daemon
 from agent.state import Phase, StateStore
-from tests.support import post_stop, slow_stage, tiny_job, wait_for
+from tests.support import HeldStage, post_stop, tiny_job, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -345,15 +345,18 @@ def test_second_agent_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> 
 def test_stop_requested_during_staging_starts_no_trainer(tmp_path: Path) -> None:
     job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
     env = env_for(tmp_path)
-    slow_staging, staged = slow_stage(2.0)
+    staging = HeldStage()
 
     async def main() -> tuple[int, Daemon]:
         probe = Probe()
-        daemon = Daemon(job, env, stage_hook=slow_staging, on_ready=probe.ready)
+        daemon = Daemon(job, env, stage_hook=staging, on_ready=probe.ready)
         task = asyncio.create_task(daemon.run())
-        await wait_for(staged.is_set, timeout=20)
-        assert probe.base is not None
-        await post_stop(probe.base, env.state_dir)
+        try:
+            await wait_for(staging.started.is_set)
+            assert probe.base is not None
+            await post_stop(probe.base, env.state_dir)
+        finally:
+            staging.release()  # the stop came while the agent was staging
         return await task, daemon
 
     code, daemon = asyncio.run(main())
@@ -398,7 +401,7 @@ def test_failed_preflight_gets_its_report_off_the_box_then_destroys_it(tmp_path:
 def test_status_and_stop_commands_talk_to_the_running_agent(tmp_path: Path) -> None:
     job = make_job(tmp_path, tmp_path / "data.yaml", sync=False)
     env = env_for(tmp_path)
-    slow_staging, staged = slow_stage(3.0)
+    staging = HeldStage()
 
     async def cli(*args: str) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(
@@ -416,10 +419,15 @@ def test_status_and_stop_commands_talk_to_the_running_agent(tmp_path: Path) -> N
         return proc.returncode, out.decode(), err.decode()
 
     async def main() -> tuple[int, list[tuple[int, str, str]]]:
-        daemon = Daemon(job, env, stage_hook=slow_staging)
+        daemon = Daemon(job, env, stage_hook=staging)
         task = asyncio.create_task(daemon.run())
-        await wait_for(staged.is_set, timeout=20)
-        answers = [await cli("status", "--json"), await cli("status"), await cli("stop")]
+        try:
+            await wait_for(staging.started.is_set)
+            # Held in STAGING until the three commands have answered, however long each
+            # takes to start on this machine.
+            answers = [await cli("status", "--json"), await cli("status"), await cli("stop")]
+        finally:
+            staging.release()
         return await task, answers
 
     code, answers = asyncio.run(main())

@@ -29,7 +29,7 @@ from agent.daemon.spine import Daemon
 from agent.policy.restart import MAX_CRASHES
 from agent.sinks.digests import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
-from tests.support import HANG_S, tiny_job, wait_for
+from tests.support import HANG_S, PAUSE_ENV, is_stopped, pause_after_epoch, tiny_job, wait_for
 from tests.test_daemon import (
     Probe,
     dataset,
@@ -141,7 +141,7 @@ def kill_tree(pid: int) -> None:
 @pytest.mark.training
 @requires_libreyolo
 def test_restart_during_training_resumes_training_and_never_reruns_a_failing_preflight(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Seen: a restarted agent always started over at PREFLIGHT; its disk check failed (the live
     # trainer's checkpoints had filled the disk), and the failure path chose "destroy, nothing
@@ -149,15 +149,19 @@ def test_restart_during_training_resumes_training_and_never_reruns_a_failing_pre
     job = make_job(tmp_path, dataset, epochs=EPOCHS, extra="save_period = 1")
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
+    # The trainer stops itself once epoch 1 is written, until the next agent has adopted it: a
+    # fast trainer cannot end in between, nor run ahead of a loaded agent's SIGSTOP.
+    pause_after_epoch(monkeypatch, 1)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
         assert daemon.trainer is not None
-        # Frozen until the next agent has adopted it: a fast trainer cannot end in between.
-        os.kill(daemon.trainer.pid, signal.SIGSTOP)
+        pid = daemon.trainer.pid
+        await wait_for(lambda: is_stopped(pid))
         shutdown.set()
 
     code, first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
+    monkeypatch.delenv(PAUSE_ENV)
     assert code == 0 and first.trainer is not None and first.state.phase == Phase.TRAINING
     pid = first.trainer.pid
 
@@ -200,18 +204,23 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
     seen: dict[str, int] = {}
+    # The trainer stops itself once epoch 2 is written, until the kill below: it dies mid-run
+    # at a known epoch however fast this machine trains. (A SIGSTOP sent once the agent had
+    # seen epoch 2 lost the race under load: the trainer had written epoch 4's last.pt, and a
+    # resume from it had nothing left to train.)
+    pause_after_epoch(monkeypatch, 2)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
         assert daemon.trainer is not None
         seen["pid"] = daemon.trainer.pid
-        # Frozen until the kill below: it dies mid-run however fast this machine trains.
-        os.kill(daemon.trainer.pid, signal.SIGSTOP)
+        await wait_for(lambda: is_stopped(seen["pid"]))
         shutdown.set()
 
     code, _first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
     assert code == 0
     kill_tree(seen["pid"])
+    monkeypatch.delenv(PAUSE_ENV)
     if not run_dir_recorded:
         # An agent killed before it had read the run dir: the state knows only the pid.
         state_path = env.state_dir / "state.json"
@@ -220,7 +229,7 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
         state_path.write_text(json.dumps(data))
     run_dir = tmp_path / "runs" / "run1"
     killed_at = json.loads((run_dir / "status.json").read_text())["completed_epochs"]
-    assert 2 <= killed_at < EPOCHS
+    assert killed_at == 2
 
     monkeypatch.setenv("LIBREYOLO_AGENT_BOOT_ID", "another-boot")  # a simulated reboot
     code, second, _ = asyncio.run(run_daemon(job, env))
@@ -251,7 +260,7 @@ def test_agent_and_trainer_killed_then_a_reboot_resumes_from_last_pt_to_every_ep
 @pytest.mark.training
 @requires_libreyolo
 def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The old box is gone with its disk: a fresh state dir and an empty runs dir, the same job
     # and sync target. Training from scratch would overwrite the target's checkpoints.
@@ -260,21 +269,26 @@ def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
     sections = f'[sync]\ntarget = "file://{synced}"\n'
     job_old = tiny_job(old, dataset, epochs=EPOCHS, sections=sections)
     shutdown = asyncio.Event()
+    # The trainer stops itself once epoch 2 is written (tests/support.pause_after_epoch), and
+    # stays frozen while epoch 2 goes off the box: the box dies mid-run at a known epoch
+    # however fast it trains. (A SIGSTOP sent once the agent had seen epoch 2 raced it.)
+    pause_after_epoch(monkeypatch, 2)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
         assert daemon.trainer is not None
-        # Frozen while epoch 2 goes off the box: the box dies mid-run however fast it trains.
-        os.kill(daemon.trainer.pid, signal.SIGSTOP)
+        pid = daemon.trainer.pid
+        await wait_for(lambda: is_stopped(pid))
         await wait_for(
             lambda: daemon.sync is not None and (daemon.sync.last_synced_epoch or 0) >= 2
         )
-        kill_tree(daemon.trainer.pid)  # the box dies: trainer and agent at once
+        kill_tree(pid)  # the box dies: trainer and agent at once
         shutdown.set()
 
     asyncio.run(run_daemon(job_old, Env(state_dir=old / "state"), during, shutdown))
+    monkeypatch.delenv(PAUSE_ENV)
     remote_epoch = json.loads((synced / "status.json").read_text())["completed_epochs"]
-    assert remote_epoch >= 2
+    assert remote_epoch == 2
 
     job_new = tiny_job(new, dataset, epochs=EPOCHS, sections=sections)
     code, daemon, _ = asyncio.run(run_daemon(job_new, Env(state_dir=new / "state")))
