@@ -71,6 +71,26 @@ def test_completed_stopped_and_box_faults_are_not_resumed() -> None:
     assert not fault.resume and "Xid 79" in fault.why
 
 
+def test_a_resume_libreyolo_refuses_as_fully_trained_is_a_completed_run() -> None:
+    # Seen under load: the trainer was killed in its last epoch after LibreYOLO saved last.pt
+    # and before status.json said so (epoch_N.pt and best.pt are saved in between); the resume
+    # from that last.pt was refused with exit 2, and the run ended as training_failed.
+    refused = Outcome(
+        OutcomeKind.CONFIG,
+        2,
+        "Training failed: Cannot resume from runs/run1/weights/last.pt: its run already "
+        "trained 4/4 epochs, so nothing is left to resume. Start a new run from these "
+        "weights instead: model.train(data=...) without resume.",
+    )
+    d = decide(refused, status(3, total=4), cfg=CFG, resumes=[], stop_reason=None)
+    assert not d.resume and d.completed and "last.pt holds every epoch" in d.why
+    # Any other config error is still one a restart cannot fix.
+    other = decide(
+        died(OutcomeKind.CONFIG, "bad option"), status(3, 4), cfg=CFG, resumes=[], stop_reason=None
+    )
+    assert not other.resume and not other.completed
+
+
 def test_the_same_failure_at_the_same_epoch_twice_is_deterministic() -> None:
     earlier = [
         death_record(died(OutcomeKind.OOM, "CUDA out of memory"), status(5), now=1.0, cause=None)

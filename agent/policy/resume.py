@@ -5,7 +5,8 @@ from the run's own ``weights/last.pt`` with ``resume=true`` and the original tot
 the same run dir (:func:`agent.trainer.process.build_argv`), at most ``limits.max_restarts`` times
 with a doubling backoff. It never resumes:
 
-- a run that completed (status.json says so, or every epoch's weights are written);
+- a run that completed (status.json says so, or every epoch's weights are written, or LibreYOLO
+  refuses a resume from a ``last.pt`` that holds every epoch: :data:`ALREADY_TRAINED`);
 - a run the agent stopped itself (a limit, a stop request, a preemption it handled);
 - an exit a restart cannot fix: LibreYOLO's config (2), data (3) and model (4) errors;
 - a SIGINT it did not send (a person pressed Ctrl-C: that is a stop);
@@ -42,6 +43,12 @@ MAX_BACKOFF_S = 600.0
 _NOT_FIXABLE = {OutcomeKind.CONFIG, OutcomeKind.DATA, OutcomeKind.MODEL}
 #: Resume kinds that are not the run's failure: they do not count towards ``max_restarts``.
 NOT_COUNTED = frozenset({"preempted"})
+#: LibreYOLO's (1.6.0) refusal to resume from a ``last.pt`` whose run trained every epoch.
+#: LibreYOLO saves an epoch's ``last.pt`` before ``epoch_N.pt``, ``best.pt`` and
+#: ``status.json``: a trainer killed in between in its last epoch (a reboot) leaves a
+#: ``status.json`` an epoch short, so the agent resumes, and LibreYOLO says there is nothing
+#: left to train (exit 2, a config error). Seen under load in tests/test_restart.py.
+ALREADY_TRAINED = "so nothing is left to resume"
 
 
 def boot_id() -> str | None:
@@ -142,6 +149,13 @@ def decide(
             False,
             f"every epoch's weights are written ({epoch}/{total}); the trainer died after "
             "training, so the run counts as completed",
+            completed=True,
+        )
+    if outcome.kind == OutcomeKind.CONFIG and ALREADY_TRAINED in outcome.message:
+        return Decision(
+            False,
+            "last.pt holds every epoch (the trainer died after saving it, before status.json "
+            "said so); the run counts as completed",
             completed=True,
         )
     if cause == "preempted":
