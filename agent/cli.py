@@ -552,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_parsers(sub)  # status, stop, extend, hold, release, token: agent/client.py
     logs.add_parser(sub)
+    from agent.data import pushcli
+
+    pushcli.add_parser(sub, formatter=HelpFormatter, err=err)  # dataset push
 
     add_cost_parser(sub)
     return p
