@@ -14,10 +14,14 @@ It runs ``libreyolo-agent run JOB`` as its child and, when the agent exits, deci
 
 It does not fight the agent's own safety nets: the agent ends its own crash loop with a gated
 teardown (agent/policy/restart.py; that start exits 0, so it is not restarted), and the guard
-(agent/guard/run.py) stops the box if the agent stays dead past the hard deadline: the supervisor
-never signals the guard (its own session), never touches ``agent.lock`` or the heartbeat, and an
-agent that finds the guard acting exits 1 and is restarted, with backoff, into its verdict
-(DONE: exit 0). A supervisor that gives up leaves the guard to do its job.
+(agent/guard/run.py) stops the box if the agent stays dead past the hard deadline. The guard runs
+in a thread of this process (agent/guard/hosted.py: one Python less on the box), holding
+``guard.lock``, so the agent starts no guard process; the supervising loop never touches
+``agent.lock`` or the heartbeat, and an agent that finds the guard acting exits 1 and is
+restarted, with backoff, into its verdict (DONE: exit 0). A supervisor that exits with the
+guard's work not over (stopped, gave up) hands the watch to a guard process of its own session
+before it goes; one killed outright lets go of the lock, and the agent's next heartbeat starts
+that process.
 
 SIGTERM or SIGINT to the supervisor is forwarded to the agent (which exits, leaving the trainer
 running; a second signal forces it, as the agent's own rule says); the supervisor waits for it,
@@ -50,8 +54,8 @@ It lives as long as the job, so it is kept small (issue 26: every process of our
 checked in a forked child that exits (the job parser, and a bad job's teardown, never stay in
 this process); the loop waits on the agent's pidfd and a signal pipe with ``select`` instead of
 asyncio. It imports the standard library's ``subprocess``, ``logging`` and ``argparse``, and of
-the agent only :mod:`agent.util.logutil` (with :mod:`agent.util.redact`), :mod:`agent.state`,
-:mod:`agent.util.backoff` and :mod:`agent.util.childenv`
+the agent :mod:`agent.util.logutil` (with :mod:`agent.util.redact`), :mod:`agent.state`,
+:mod:`agent.util.backoff`, :mod:`agent.util.childenv` and the waiting guard's modules
 (tests/test_supervisor.py checks what a running supervisor holds).
 """
 
@@ -221,11 +225,13 @@ class Supervisor:
         policy: Policy | None = None,
         env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.time,
+        host_guard: bool = False,
     ) -> None:
         """Supervise the agent started by ``argv`` (:func:`agent_argv`; tests pass a stand-in)
         on ``state_dir``; its output is appended to ``log_path`` (default
         ``STATE_DIR/supervisor.log``). ``env``: the agent's environment (default: this one,
-        with the state directory set)."""
+        with the state directory set). ``host_guard``: run the guard in a thread of this
+        process (agent/guard/hosted.py), as ``libreyolo-agent supervise`` does."""
         self.argv = list(argv)
         self.state_dir = state_dir.absolute()
         self.log_path = (log_path or self.state_dir / LOG_FILE).absolute()
@@ -233,6 +239,7 @@ class Supervisor:
         self.env = dict(env if env is not None else child_env())
         self.env["LIBREYOLO_AGENT_STATE_DIR"] = str(self.state_dir)
         self.clock = clock
+        self.host_guard = host_guard
         self.record: dict[str, Any] = {
             "pid": os.getpid(),
             "argv": self.argv,
@@ -272,12 +279,30 @@ class Supervisor:
                 handler.setFormatter(
                     logging.Formatter("%(asctime)s supervisor: %(message)s", "%Y-%m-%d %H:%M:%S")
                 )
-                with logutil.to_file(handler), self._signal_pipe():
+                with logutil.to_file(handler), self._signal_pipe(), self._guard(handler):
                     return self._supervise(log_fd)
             finally:
                 os.close(log_fd)
         finally:
             os.close(lock)  # the flock goes with it; the file stays, naming the last holder
+
+    @contextlib.contextmanager
+    def _guard(self, handler: logging.Handler) -> Any:
+        """The guard hosted in a thread for the supervision's life, handed over to a guard
+        process at its end when its work is not over (agent/guard/hosted.py). Imported here
+        only: the guard's modules are the price of the process it saves."""
+        if not self.host_guard:
+            yield
+            return
+        from agent.guard.hosted import HostedGuard, not_from_guard_thread
+
+        handler.addFilter(not_from_guard_thread)  # its lines go to guard.log
+        hosted = HostedGuard(self.state_dir)
+        hosted.start()
+        try:
+            yield
+        finally:
+            hosted.close()
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -540,7 +565,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     argv = agent_argv(job, verbose=args.verbose)
     log_path = Path(args.log) if args.log else None
     try:
-        return Supervisor(argv, state_dir, log_path=log_path, policy=policy).run()
+        return Supervisor(argv, state_dir, log_path=log_path, policy=policy, host_guard=True).run()
     except AlreadySupervised as exc:
         _err(f"a supervisor (pid {exc.holder}) already runs on the state directory {state_dir}")
         return 1

@@ -403,6 +403,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         note = ""
         if role == "nvml host":
             note = f" ({result['nvml']})"
+        if not pids and role == "guard":
+            lines.append("| guard | a thread of the supervisor (agent/guard/hosted.py) | - | - | - |")
+            continue
         if not pids:
             lines.append(f"| {role}{note} | absent | - | - | - |")
             continue
