@@ -99,6 +99,7 @@ def test_cli_a_refused_key_ends_the_job_before_training_naming_the_variable(
         assert vast.calls("show") and vast.mutations() == []
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_cli_runpod_auto_price_is_the_pods_cost_and_the_job_trains(
     tmp_path: Path, state_dir: Path, dataset: Path

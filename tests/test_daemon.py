@@ -26,7 +26,7 @@ from agent import demo
 from agent.config.model import Env, Job, PreflightSection
 from agent.daemon.spine import Daemon
 from agent.state import Phase, StateStore
-from tests.support import HeldStage, post_stop, tiny_job, wait_for
+from tests.support import HANG_S, HeldStage, post_stop, tiny_job, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -284,7 +284,7 @@ def test_demo_job_from_the_command_line(tmp_path: Path) -> None:
         [sys.executable, "-m", "agent.cli", "run", "--demo-dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=HANG_S,  # a hang's cap: the demo trains for real (minutes at load ~10)
         env=env,
         cwd=tmp_path,
     )

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from agent.config.model import Env, Job, PreflightSection
 from agent.daemon.spine import Daemon
 from agent.state import StateStore
 from tests.fakes.hub import run_fake_hub
-from tests.support import HANG_S, post_stop, tiny_job, wait_for
+from tests.support import HANG_S, HeldStage, post_stop, tiny_job, wait_for
 
 
 def with_preflight(tmp: Path, data: Path, *, allow_cpu: bool, sections: str = "") -> Job:
@@ -40,12 +39,13 @@ def test_dataset_is_staged_while_the_gpu_probe_runs(tmp_path: Path) -> None:
     job = with_preflight(tmp_path, tmp_path / "data.yaml", allow_cpu=True)
     env = Env(state_dir=tmp_path / "state")
     started: list[float] = []
-    calls = threading.Event()
+    # Held until the stop has landed: a staging of a fixed second could end, under load,
+    # before the test's stop did, and the job went on to train.
+    staging = HeldStage()
 
     def hook() -> None:
         started.append(time.time())
-        calls.set()
-        time.sleep(1.0)
+        staging()
 
     base: dict[str, str] = {}
 
@@ -56,8 +56,11 @@ def test_dataset_is_staged_while_the_gpu_probe_runs(tmp_path: Path) -> None:
     async def main() -> int:
         daemon = Daemon(job, env, stage_hook=hook, on_ready=ready)
         task = asyncio.create_task(daemon.run())
-        await wait_for(calls.is_set, timeout=60)
-        await post_stop(base["url"], env.state_dir)  # staging began; nothing is to be trained
+        try:
+            await wait_for(staging.started.is_set)
+            await post_stop(base["url"], env.state_dir)  # staging began; nothing is to be trained
+        finally:
+            staging.release()
         return await task
 
     assert asyncio.run(main()) == 0

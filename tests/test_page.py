@@ -81,7 +81,7 @@ async def run_with_page(
     daemon.on_ready = lambda _d: ready.set()
     main = asyncio.create_task(daemon.run())
     waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait([main, waiter], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([main, waiter], timeout=HANG_S, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     assert not main.done(), f"the daemon ended before serving HTTP: {main.result()}"
     assert daemon.state.server is not None
@@ -121,9 +121,7 @@ def test_dashboard_shows_live_training_and_its_stop_button_stops_the_job(
     seen: dict[str, Any] = {}
 
     async def during(base: str, token: str) -> None:
-        await wait_for(
-            lambda: daemon.status is not None and daemon.status.completed_epochs >= 2, timeout=120
-        )
+        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 2)
         assert async_playwright is not None and CHROMIUM is not None
         async with async_playwright() as pw:
             browser = await pw.chromium.launch(

@@ -25,7 +25,7 @@ from agent.guard.plan import guard_pid
 from agent.policy.teardown import decide
 from agent.state import Phase, Reason, StateStore
 from tests.fakes.providers import FakeVast, run_fake_vast
-from tests.support import tiny_job
+from tests.support import HANG_S, tiny_job
 from tests.test_daemon import dataset, requires_libreyolo
 
 __all__ = ["dataset"]
@@ -88,6 +88,7 @@ api_url = "{fake.url}"
 """
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
     tmp_path: Path, dataset: Path
@@ -141,6 +142,7 @@ def end_guard(state_dir: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.training
 @requires_libreyolo
 def test_agent_killed_between_sent_and_confirmed_never_sends_a_second_destroy(
     tmp_path: Path, dataset: Path, request: pytest.FixtureRequest
@@ -186,7 +188,7 @@ listen = "127.0.0.1:0"
             env=dict(env, LIBREYOLO_AGENT_CRASHPOINT="teardown-sent"),
             capture_output=True,
             text=True,
-            timeout=170,
+            timeout=HANG_S,  # a hang's cap: the job trains for real (minutes at load ~10)
         )
         assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
         state = StateStore(tmp_path / "state").load()
@@ -195,7 +197,7 @@ listen = "127.0.0.1:0"
         assert state.teardown["action"] == "destroy"
         assert [m for m, _, _ in fake.mutations()] == ["DELETE"]
 
-        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert second.returncode == 0, second.stderr[-3000:]
         assert "reading back only" in second.stderr
         assert KEY not in second.stderr + first.stderr

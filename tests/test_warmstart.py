@@ -355,6 +355,7 @@ def test_the_launcher_starts_cold_when_its_warm_trainer_died_waiting(
 
 
 @requires_libreyolo
+@pytest.mark.training
 def test_a_warm_started_trainer_outlives_the_agent_and_is_reattached(tmp_path: Path) -> None:
     """The real `libreyolo train`, started warm (the CPU probe ran in its process): the agent
     exits mid-run, the trainer trains on, a new agent re-attaches to that same process."""
