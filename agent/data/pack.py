@@ -154,7 +154,9 @@ def write_tar(
     try:
         with open(partial, "wb") as raw:
             out = _Hashing(raw)
-            with tarfile.open(fileobj=cast("BinaryIO", out), mode="w", format=PAX) as tf:
+            with tarfile.TarFile(
+                fileobj=cast("BinaryIO", out), mode="w", format=PAX, copybufsize=chunk
+            ) as tf:
                 for m in found.members:
                     info = _tarinfo(m)
                     if m.kind != "file":
