@@ -70,11 +70,12 @@ def guard_log(state_dir: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def guard_processes() -> list[psutil.Process]:
+def guard_processes(state_dir: Path) -> list[psutil.Process]:
+    """The guard processes of ``state_dir`` (other tests' guards run beside these)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "agent.guard" in cmd:
+        if "agent.guard" in cmd and str(state_dir) in cmd:
             found.append(p)
     return found
 
@@ -94,7 +95,7 @@ def test_the_supervisors_guard_thread_stops_a_dead_agents_box_and_no_guard_proce
     assert guard_pid(state_dir) == supervisor.pid  # the lock is the supervisor's
     # ensure_running (the agent's heartbeat) finds the lock held and starts nothing.
     assert ensure_running(state_dir) == supervisor.pid
-    assert [p.pid for p in guard_processes() if p.ppid() == supervisor.pid] == []
+    assert guard_processes(state_dir) == []
     # The guard's lines are in guard.log, not in supervisor.log.
     assert "stop confirmed" not in (state_dir / "supervisor.log").read_text()
     # Its work is over: the supervisor stops without handing anything over.
@@ -176,3 +177,20 @@ def test_a_guard_process_already_watching_keeps_the_watch_and_the_supervisor_add
             proc.wait(30)
     assert guard_pid(state_dir) == first
     assert "hosted in the supervisor" not in guard_log(state_dir)
+
+
+def test_a_job_that_ended_since_the_guards_last_look_is_not_handed_over(
+    state_dir: Path, supervisor: subprocess.Popen[bytes]
+) -> None:
+    # The agent exits 0 at DONE and the supervisor with it, before the thread looks again (here:
+    # not for 10 minutes): no guard process is started just to find the job over.
+    make_plan(state_dir, deadline_in=3600, every_s=600)
+    stale_heartbeat(state_dir, age_s=0)
+    save_state(state_dir, Phase.TRAINING)
+    eventually(lambda: "guard: waiting" in guard_log(state_dir), what=guard_log(state_dir))
+    save_state(state_dir, Phase.DONE, reason=Reason.COMPLETED)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(60) == 0
+    assert "handed over" not in (state_dir / "supervisor.log").read_text()
+    assert guard_pid(state_dir) is None
+    assert guard_processes(state_dir) == []

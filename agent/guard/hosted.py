@@ -108,7 +108,7 @@ class HostedGuard:
         if fd is not None:
             os.close(fd)  # the flock goes with it
         pid = None
-        if not self.over and fd is not None and self._plan_exists():
+        if not self.over and fd is not None and self._plan_exists() and not self._job_over():
             pid = self._hand_over(self.state_dir)
             log.info("guard: handed over to a guard process (pid %s)", pid)
         if self._handler is not None:
@@ -136,6 +136,15 @@ class HostedGuard:
             except Exception:  # one bad look must not end the safety net
                 log.exception("guard: the hosted guard failed a look; trying again")
             self.stop.wait(self.poll_s)
+
+    def _job_over(self) -> bool:
+        """The job ended since the thread's last look (the agent exits 0 at DONE, and the
+        supervisor with it, before the next look): nothing to hand over."""
+        try:
+            return Guard(self.state_dir).job_over()
+        except Exception:  # unreadable: hand over, the guard process looks for itself
+            log.exception("guard: cannot read the job's state; handing over")
+            return False
 
     def _plan_exists(self) -> bool:
         with contextlib.suppress(ValueError):  # unreadable: the guard says so when it reads it

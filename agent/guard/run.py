@@ -474,6 +474,12 @@ class Guard:
             return True
         return False
 
+    def job_over(self) -> bool:
+        """True when state.json says the job ended (what :meth:`check` exits on); reads only,
+        never acts."""
+        state, _ = self._read_state()
+        return state is not None and self._ended(state)
+
     def _read_state(self) -> tuple[RunState | None, str | None]:
         try:
             state = self.store.load()
