@@ -6,6 +6,7 @@ Each test trains a real ``yolox-n`` from scratch for a few 64x64 epochs: a few s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,7 +27,16 @@ from agent import demo
 from agent.config.model import Env, Job, PreflightSection
 from agent.daemon.spine import Daemon
 from agent.state import Phase, StateStore
-from tests.support import HANG_S, HeldStage, post_stop, tiny_job, wait_for
+from tests.support import (
+    HANG_S,
+    PAUSE_ENV,
+    HeldStage,
+    is_stopped,
+    pause_after_epoch,
+    post_stop,
+    tiny_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.training
 
@@ -107,16 +117,23 @@ def history_phases(state_dir: Path) -> list[str]:
 
 @requires_libreyolo
 def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = make_job(tmp_path, dataset, epochs=3, extra="save_period = 1")
     env = env_for(tmp_path)
+    # The trainer stops itself after epoch 1 until /status has answered in TRAINING: three
+    # tiny epochs could otherwise end before a loaded test's first request.
+    pause_after_epoch(monkeypatch, 1)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
-        await wait_for(lambda: daemon.state.phase == Phase.TRAINING)
-        assert probe.base
+        await wait_for(lambda: daemon.trainer is not None and is_stopped(daemon.trainer.pid))
+        assert probe.base and daemon.trainer is not None
         async with session.get(f"{probe.base}/healthz") as r:
             assert r.status == 200
+        async with session.get(f"{probe.base}/status") as r:
+            assert r.status == 200
+            probe.statuses.append(await r.json())
+        os.kill(daemon.trainer.pid, signal.SIGCONT)
         while daemon.state.phase == Phase.TRAINING:
             async with session.get(f"{probe.base}/status") as r:
                 assert r.status == 200
@@ -230,24 +247,36 @@ def test_stop_request_sends_sigint_and_the_trainer_ends_cleanly(
 
 @requires_libreyolo
 def test_trainer_outlives_the_agent_and_a_new_agent_reattaches(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = make_job(tmp_path, dataset, epochs=12)
+    job = make_job(tmp_path, dataset, epochs=4)
     env = env_for(tmp_path)
     shutdown = asyncio.Event()
+    # The trainer stops itself after epoch 1 until the next agent has re-attached: it cannot
+    # finish while no agent runs, however fast it trains or slowly the agents start.
+    pause_after_epoch(monkeypatch, 1)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
         shutdown.set()  # what SIGTERM to the agent does
 
     code, first, _ = asyncio.run(run_daemon(job, env, during, shutdown))
+    monkeypatch.delenv(PAUSE_ENV)
     assert code == 0
     assert first.trainer is not None
     pid = first.trainer.pid
     assert first.state.phase == Phase.TRAINING  # left as it was: the job is not over
     assert psutil.pid_exists(pid), "the trainer must outlive the agent"
 
-    code, second, _ = asyncio.run(run_daemon(job, env))
+    async def reattached(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
+        await wait_for(lambda: daemon.trainer is not None)
+        os.kill(pid, signal.SIGCONT)
+
+    try:
+        code, second, _ = asyncio.run(run_daemon(job, env, reattached))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
     assert code == 0
     assert second.trainer is not None and second.trainer.pid == pid
     assert not second.trainer.is_child
