@@ -387,3 +387,18 @@ def test_the_doctor_passes_a_good_dataset_and_stops_a_broken_one(
     assert "labels.syntax" in last
     assert "fix the dataset and push again" in bad.stderr and "Traceback" not in bad.stderr
     assert not hub.has_repo("dataset", "org/broken")
+
+
+def test_other_commands_do_not_load_the_push_or_the_hub_client() -> None:
+    """Every command builds the parser that holds ``dataset push``: building it must not
+    import the Hub client (a box's ``run`` or a laptop's ``check`` would pay for it, and a
+    broken huggingface_hub would break them all)."""
+    code = (
+        "import sys, agent.cli; agent.cli.build_parser(); "
+        "print(sorted(m for m in ('agent.hub', 'agent.data.push', 'huggingface_hub') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -2,6 +2,7 @@
 
 Beside :mod:`agent.data.push` rather than in ``agent/cli.py`` (which only adds it, as it adds
 ``logs``): the command is one noun with its library, and cli.py is at the size of one noun.
+Building the parser imports nothing of the Hub: the library is imported when the command runs.
 Progress and steps go to stderr, the result to stdout (text, or ``--json``), so
 ``dataset push ... --json | jq`` reads a document whatever the progress said.
 """
@@ -15,11 +16,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from agent.config.model import Env
-from agent.data.push import PushError, PushResult, push
 from agent.util.text import format_bytes
+
+if TYPE_CHECKING:
+    from agent.data.push import PushResult
 
 #: Exit codes of ``dataset push`` (its help and the README's Commands table say the same).
 EXIT_PUSHED, EXIT_HUB, EXIT_USAGE = 0, 1, 2
@@ -93,6 +96,9 @@ def add_parser(
 
 
 def cmd_push(args: argparse.Namespace, *, err: Callable[[str], None]) -> int:
+    # Imported here: every other command builds this parser, and none needs the Hub client.
+    from agent.data.push import PushError, push
+
     env = Env.from_environ()  # a bad HF_ENDPOINT is a ConfigError: one line, exit 2 (main)
     bar = _PackBar(sys.stderr)
     try:
