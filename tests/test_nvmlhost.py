@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from agent.config.model import Env
@@ -31,8 +32,10 @@ from agent.gpu.health import GpuMonitor
 from agent.gpu.nvmlhost import NvmlHost
 from agent.preflight.driver import read_driver
 from agent.state import Reason
+from agent.util import logutil
 from tests.fakes.scripted_launcher import ScriptedLauncher
 from tests.support import tiny_job, wait_for
+from tests.test_metrics import samples
 
 FAKE_SOURCE = Path(__file__).parent / "fakes" / "nvml" / "fake_nvml.c"
 
@@ -115,6 +118,8 @@ def test_every_call_reaches_the_c_library_through_the_host(box: Box, host: NvmlH
     assert (rates.gpu, rates.memory) == (97, 0)
     assert host.nvmlDeviceGetPowerUsage(h0) == 650000
     assert host.nvmlDeviceGetEnforcedPowerLimit(h0) == 700000
+    memory = host.nvmlDeviceGetMemoryInfo(h0)
+    assert (memory.total, memory.free, memory.used) == (80 << 30, 80 << 30, 0)
     assert host.nvmlDeviceGetTemperature(h0, nv.NVML_TEMPERATURE_GPU) == 61
     args = (h0, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
     assert host.nvmlDeviceGetTotalEccErrors(*args) == 0
@@ -139,6 +144,47 @@ def test_every_call_reaches_the_c_library_through_the_host(box: Box, host: NvmlH
         "nvmlShutdown",
     ):
         assert symbol in box.called()
+
+
+def test_memory_info_reads_nvml_memory_t_and_its_return_codes(box: Box, host: NvmlHost) -> None:
+    """``nvmlMemory_t`` (v1) is three unsigned long longs in the order total, free, used: a
+    141 GiB H200's figures (past 32 bits) come back whole and each in its own field."""
+    box.set(mem_total=150_754_820_096, mem_used=30_000_000_000)
+    host.nvmlInit()
+    h0 = host.nvmlDeviceGetHandleByIndex(0)
+    memory = host.nvmlDeviceGetMemoryInfo(h0)
+    assert (memory.total, memory.free, memory.used) == (
+        150_754_820_096,
+        150_754_820_096 - 30_000_000_000,
+        30_000_000_000,
+    )
+    box.set(mem_rc=nv.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(nv.NVMLError) as refused:
+        host.nvmlDeviceGetMemoryInfo(h0)
+    assert refused.value.value == nv.NVML_ERROR_NO_PERMISSION
+    box.set(mem_rc=0, lost=0)
+    with pytest.raises(nv.NVMLError) as lost:
+        host.nvmlDeviceGetMemoryInfo(h0)
+    assert lost.value.value == nv.NVML_ERROR_GPU_IS_LOST
+    assert "nvmlDeviceGetMemoryInfo" in box.called()
+
+
+def test_the_monitors_samples_carry_memory_and_a_refusal_leaves_it_unknown(box: Box) -> None:
+    box.set(mem_total=150_754_820_096, mem_used=30_000_000_000)
+    gpu = GpuMonitor()
+    try:
+        samples = gpu.samples()
+        assert [(s.memory_used_bytes, s.memory_total_bytes) for s in samples] == [
+            (30_000_000_000, 150_754_820_096)
+        ] * 2
+        assert samples[0].as_dict()["memory_used_bytes"] == 30_000_000_000
+        # Some virtualised GPUs refuse it: unknown, and the GPU is not taken for lost.
+        box.set(mem_rc=nv.NVML_ERROR_NO_PERMISSION)
+        refused = gpu.samples()
+        assert [(s.memory_used_bytes, s.util_pct) for s in refused] == [(None, 97.0)] * 2
+        assert gpu.faults() == []
+    finally:
+        gpu.close()
 
 
 def test_the_library_is_mapped_in_the_host_never_in_the_agent(box: Box) -> None:
@@ -345,10 +391,15 @@ def test_preflight_reads_the_driver_through_a_host_it_ends(box: Box) -> None:
 # The whole agent: its supervision loop over a GPU monitor on the host
 
 
-def _run_daemon(tmp: Path, gpu: GpuMonitor, during: Any) -> Daemon:
+def _run_daemon(
+    tmp: Path, gpu: GpuMonitor, during: Any, *, epochs: int = 5, limits: str = ""
+) -> Daemon:
     data = tmp / "data.yaml"
     data.write_text("train: images\nval: images\nnames:\n  0: box\n")
-    job = tiny_job(tmp, data, epochs=5, sections=f'[sync]\ntarget = "file://{tmp / "synced"}"\n')
+    sections = f'[sync]\ntarget = "file://{tmp / "synced"}"\n' + (
+        f"[limits]\n{limits}\n" if limits else ""
+    )
+    job = tiny_job(tmp, data, epochs=epochs, sections=sections)
     daemon = Daemon(
         job,
         Env(state_dir=tmp / "state"),
@@ -360,9 +411,12 @@ def _run_daemon(tmp: Path, gpu: GpuMonitor, during: Any) -> Daemon:
     async def main() -> int:
         side = asyncio.create_task(during(tmp / "runs" / "run1"))
         try:
-            return await asyncio.wait_for(daemon.run(), 120)
+            code = await asyncio.wait_for(daemon.run(), 120)
         finally:
             side.cancel()
+        if not side.cancelled() and side.exception() is not None:
+            raise AssertionError("the test's side of the run failed") from side.exception()
+        return code
 
     assert asyncio.run(main()) == 0
     return daemon
@@ -383,6 +437,7 @@ def test_an_xid_seen_by_the_host_stops_the_run_as_a_box_fault(box: Box, tmp_path
         await _epoch(run_dir, 2)
         box.set(xids="0:79")
 
+    logutil.rate_limit.reset()  # an earlier test's same line must not hold this one back
     daemon = _run_daemon(tmp_path, GpuMonitor(), xid_at_epoch_2)
     assert daemon.state.reason == Reason.TRAINING_FAILED
     assert "GPU fault: GPU 0 (GPU-fake-0): Xid 79 (GPU has fallen off the bus)" in (
@@ -390,6 +445,56 @@ def test_an_xid_seen_by_the_host_stops_the_run_as_a_box_fault(box: Box, tmp_path
     )
     assert daemon.state.resumes == []  # a box fault is not resumed on the same box
     assert daemon.gpu is not None and daemon.gpu._nvml.pid is None  # the host ended with the agent
+    # The fault is logged once where it is seen, then once for each thing done about it; the
+    # monitor no longer logs it a second time (it returns it to the supervision, which does).
+    lines = (tmp_path / "state" / "agent.log").read_text().splitlines()
+    said = [line.split()[3] for line in lines if "Xid 79" in line]
+    assert said == ["agent.daemon.training:", "agent.daemon.relaunch:", "agent.daemon.finish:"]
+    assert sum("ERROR agent.daemon.training: GPU fault: GPU 0" in line for line in lines) == 1
+
+
+def test_gpu_memory_reaches_history_and_metrics_from_the_host(box: Box, tmp_path: Path) -> None:
+    """The C library's figures, through the host, the monitor and the stall watch's samples,
+    into the real server's /history (per epoch, summed over the GPUs) and /metrics (per GPU)."""
+    box.set(mem_total=150_754_820_096, mem_used=30_000_000_000)
+    seen: dict[str, Any] = {}
+
+    async def read_then_end(run_dir: Path) -> None:
+        try:
+            await _read(run_dir)
+        finally:
+            box.set(xids="0:79")  # ends the run (a box fault), whatever the reads found
+
+    async def _read(run_dir: Path) -> None:
+        await _epoch(run_dir, 1)  # the server is up and its port in state.json
+        port = json.loads((tmp_path / "state" / "state.json").read_text())["server"]["port"]
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+
+            async def get(path: str) -> Any:
+                async with session.get(base + path) as r:
+                    assert r.status == 200, (path, r.status)
+                    return await (r.json() if path == "/history" else r.text())
+
+            rows: list[dict[str, Any]] = []
+            # The first epochs may end before the first sample: a few more, not for ever.
+            while not any("gpu/memory_used_bytes" in r for r in rows) and len(rows) < 20:
+                await _epoch(run_dir, len(rows) + 1)
+                rows = await get("/history")
+            seen["history"] = rows
+            seen["metrics"] = await get("/metrics")
+
+    # The figures are the stall watch's samples: it runs with a stall limit.
+    _run_daemon(tmp_path, GpuMonitor(), read_then_end, epochs=1000, limits='stall_timeout = "10m"')
+    with_memory = [r for r in seen["history"] if "gpu/memory_used_bytes" in r]
+    assert with_memory, seen["history"][-1]
+    row = with_memory[-1]
+    assert row["gpu/memory_used_bytes"] == 2 * 30_000_000_000
+    assert row["gpu/memory_total_bytes"] == 2 * 150_754_820_096
+    got = samples(seen["metrics"])
+    for gpu in ("0", "1"):
+        assert got[("libreyolo_agent_gpu_memory_used_bytes", (("gpu", gpu),))] == 30_000_000_000
+        assert got[("libreyolo_agent_gpu_memory_total_bytes", (("gpu", gpu),))] == 150_754_820_096
 
 
 def test_a_hung_nvml_call_does_not_freeze_the_supervision_loop(box: Box, tmp_path: Path) -> None:

@@ -118,6 +118,28 @@ FULL["supervision"].update(
         "notice": {"source": "aws", "message": "terminate", "at": NOW - 10, "action_at": NOW + 110},
     },
 )
+#: Two H200s as the stall watch last sampled them (GpuSample.as_dict); GPU 1 gave no memory.
+GPUS = [
+    {
+        "index": 0,
+        "util_pct": 97.0,
+        "power_w": 650.0,
+        "power_limit_w": 700.0,
+        "memory_used_bytes": 30_000_000_000,
+        "memory_total_bytes": 150_754_820_096,
+        "busy": True,
+    },
+    {
+        "index": 1,
+        "util_pct": 95.0,
+        "power_w": 640.0,
+        "power_limit_w": 700.0,
+        "memory_used_bytes": None,
+        "memory_total_bytes": None,
+        "busy": True,
+    },
+]
+FULL["supervision"]["stall"] = {**FULL["supervision"]["stall"], "gpus": GPUS}
 FULL["sync"]["last_success_at"] = NOW - 30
 FULL["sync"]["bytes_per_s"] = 5_000_000.0
 FULL["money"]["stopped_usd_per_hour"] = 0.02
@@ -209,6 +231,19 @@ def test_what_a_dashboard_wants_from_the_document_is_exported() -> None:
         "notifications_dropped_total": 0,
     }
     assert {name: got[(PREFIX + name, ())] for name in want} == want
+
+
+def test_gpu_memory_is_exported_per_gpu_in_bytes() -> None:
+    text = render(FULL).decode()
+    got = samples(text)
+    assert got[(PREFIX + "gpu_memory_used_bytes", (("gpu", "0"),))] == 30_000_000_000
+    assert got[(PREFIX + "gpu_memory_total_bytes", (("gpu", "0"),))] == 150_754_820_096
+    # A figure NVML did not give is left out, never a 0.
+    assert (PREFIX + "gpu_memory_used_bytes", (("gpu", "1"),)) not in got
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert kinds[PREFIX + "gpu_memory_used_bytes"] == "gauge"
+    # No sample (no NVML, or before the first): no family at all, not an empty one.
+    assert "gpu_memory" not in render(DOC).decode()
 
 
 def test_a_failing_state_write_and_an_open_teardown_show() -> None:

@@ -186,12 +186,32 @@ def test_available_actions_agree_with_what_the_requests_answer(
             assert got[name]["reason"]  # the page shows it beside the disabled button
 
 
-def test_history_gpu_figures_are_the_mean_utilisation_and_the_total_power() -> None:
+def test_history_gpu_figures_are_the_mean_utilisation_and_the_total_power_and_memory() -> None:
+    gib = 1 << 30
     gpus = [
-        {"index": 0, "util_pct": 90.0, "power_w": 600.0, "power_limit_w": 700.0},
-        {"index": 1, "util_pct": 70.0, "power_w": None, "power_limit_w": 700.0},
+        {
+            "index": 0,
+            "util_pct": 90.0,
+            "power_w": 600.0,
+            "power_limit_w": 700.0,
+            "memory_used_bytes": 30 * gib,
+            "memory_total_bytes": 141 * gib,
+        },
+        {
+            "index": 1,
+            "util_pct": 70.0,
+            "power_w": None,
+            "power_limit_w": 700.0,
+            "memory_used_bytes": 20 * gib,
+            "memory_total_bytes": 141 * gib,
+        },
     ]
-    assert gpu_summary(gpus) == {"gpu/util_pct": 80.0, "gpu/power_w": 600.0}
+    assert gpu_summary(gpus) == {
+        "gpu/util_pct": 80.0,
+        "gpu/power_w": 600.0,
+        "gpu/memory_used_bytes": 50 * gib,
+        "gpu/memory_total_bytes": 282 * gib,
+    }
     # A figure NVML did not give is left out, never a 0.
     assert gpu_summary([{"index": 0, "util_pct": None, "power_w": None}]) == {}
     assert gpu_summary([]) == {}

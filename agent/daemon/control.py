@@ -245,8 +245,9 @@ class Control:
 
     def _history_rows(self) -> list[dict[str, Any]]:
         """GET /history (runs in a thread): the run's metrics.jsonl rows, each with the GPUs'
-        utilisation and power at the epoch's end where NVML gave them (``gpu/util_pct``,
-        ``gpu/power_w``; this agent's epochs only: they are kept in memory)."""
+        utilisation, power and memory at the epoch's end where NVML gave them (``gpu/util_pct``,
+        ``gpu/power_w``, ``gpu/memory_used_bytes``, ``gpu/memory_total_bytes``; this agent's
+        epochs only: they are kept in memory)."""
         ctx = self.ctx
         run_dir = ctx.run_dir
         rows = read_metrics(run_dir) if run_dir is not None else []
@@ -348,14 +349,18 @@ def available_actions(
 
 
 def gpu_summary(gpus: list[dict[str, Any]]) -> dict[str, float]:
-    """``gpu/util_pct`` (the mean over the GPUs) and ``gpu/power_w`` (their sum) of NVML
-    samples (:meth:`agent.gpu.health.GpuSample.as_dict`); a figure NVML did not give is left out.
+    """``gpu/util_pct`` (the mean over the GPUs), ``gpu/power_w`` and
+    ``gpu/memory_used_bytes``/``gpu/memory_total_bytes`` (their sums) of NVML samples
+    (:meth:`agent.gpu.health.GpuSample.as_dict`); a figure NVML did not give is left out.
     """
-    utils = [float(g["util_pct"]) for g in gpus if isinstance(g.get("util_pct"), int | float)]
-    watts = [float(g["power_w"]) for g in gpus if isinstance(g.get("power_w"), int | float)]
     out: dict[str, float] = {}
-    if utils:
-        out["gpu/util_pct"] = sum(utils) / len(utils)
-    if watts:
-        out["gpu/power_w"] = sum(watts)
+    for key, field, mean in (
+        ("gpu/util_pct", "util_pct", True),
+        ("gpu/power_w", "power_w", False),
+        ("gpu/memory_used_bytes", "memory_used_bytes", False),
+        ("gpu/memory_total_bytes", "memory_total_bytes", False),
+    ):
+        values = [float(g[field]) for g in gpus if isinstance(g.get(field), int | float)]
+        if values:
+            out[key] = sum(values) / len(values) if mean else sum(values)
     return out

@@ -92,6 +92,10 @@ class GpuSample:
     util_pct: float | None
     power_w: float | None
     power_limit_w: float | None
+    #: Device memory in use and in all, bytes (``nvmlDeviceGetMemoryInfo``): what the page
+    #: charts per epoch and ``/metrics`` exports; None where NVML does not say.
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
 
     @property
     def busy(self) -> bool:
@@ -119,6 +123,8 @@ class GpuSample:
             "util_pct": self.util_pct,
             "power_w": self.power_w,
             "power_limit_w": self.power_limit_w,
+            "memory_used_bytes": self.memory_used_bytes,
+            "memory_total_bytes": self.memory_total_bytes,
             "busy": self.busy,
         }
 
@@ -202,7 +208,8 @@ class GpuMonitor:
             return None if self._usable() else self._reason
 
     def samples(self) -> list[GpuSample]:
-        """Utilisation and power of every GPU (blocking NVML calls: run it in a thread)."""
+        """Utilisation, power and memory of every GPU (blocking NVML calls: run it in a
+        thread)."""
         with self._lock:
             self._open()
             if not self._usable():
@@ -210,19 +217,23 @@ class GpuMonitor:
             out = []
             for g in self._gpus:
                 util = power = limit = None
+                used = total = None
                 if not g.lost:
                     rates = self._query(g, "nvmlDeviceGetUtilizationRates", g.handle)
                     util = _number(getattr(rates, "gpu", None))
                     # NVML reports milliwatts.
                     power = _milli(self._query(g, "nvmlDeviceGetPowerUsage", g.handle))
                     limit = _milli(self._query(g, "nvmlDeviceGetEnforcedPowerLimit", g.handle))
-                out.append(GpuSample(g.index, util, power, limit))
+                    memory = self._query(g, "nvmlDeviceGetMemoryInfo", g.handle)
+                    used = _count(getattr(memory, "used", None))
+                    total = _count(getattr(memory, "total", None))
+                out.append(GpuSample(g.index, util, power, limit, used, total))
             return out
 
     def faults(self) -> list[GpuFault]:
-        """Faults that are new since the last call (blocking NVML calls: run it in a thread).
-        Call it every few seconds: thermal slowdown counts as sustained only while each call
-        sees it."""
+        """Faults that are new since the last call (blocking NVML calls: run it in a thread),
+        each returned once and not logged: the caller reports them. Call it every few seconds:
+        thermal slowdown counts as sustained only while each call sees it."""
         with self._lock:
             self._open()
             if not self._usable():
@@ -239,8 +250,8 @@ class GpuMonitor:
                     out.append(
                         _fault(g, "lost", f"{g.lost_error} (fell off the bus or needs a reset)")
                     )
-            for f in out:
-                log.error("%s", f.message)
+            # Returned, not logged: the caller logs each fault once, with what it does about
+            # it (agent/daemon/training.py); a line here too wrote every fault twice.
             return out
 
     def close(self) -> None:
@@ -538,6 +549,10 @@ def _code(exc: BaseException) -> Any:
 
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _milli(value: Any) -> float | None:

@@ -100,6 +100,16 @@ class _Utilization(ctypes.Structure):
     _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
 
 
+class _Memory(ctypes.Structure):
+    """``nvmlMemory_t`` (v1, what ``nvmlDeviceGetMemoryInfo`` fills): bytes."""
+
+    _fields_ = [
+        ("total", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
+
+
 class _EventData(ctypes.Structure):
     _fields_ = [
         ("device", ctypes.c_void_p),
@@ -179,6 +189,13 @@ class Library:
         util = _Utilization()
         self._call("nvmlDeviceGetUtilizationRates", ctypes.c_void_p(handle), ctypes.byref(util))
         return {"gpu": int(util.gpu), "memory": int(util.memory)}
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> dict[str, int]:
+        # The v1 symbol and structure, as pynvml calls it without a version: every driver has
+        # them (``_v2`` adds a version field and ``reserved``, and older drivers lack it).
+        memory = _Memory()
+        self._call("nvmlDeviceGetMemoryInfo", ctypes.c_void_p(handle), ctypes.byref(memory))
+        return {"total": int(memory.total), "free": int(memory.free), "used": int(memory.used)}
 
     def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
         return self._uint("nvmlDeviceGetPowerUsage", ctypes.c_void_p(handle))

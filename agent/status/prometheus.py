@@ -172,6 +172,7 @@ class _StatusCollector(Collector):
                     max(0, limit - counted(resumes)),
                 )
         stall = _dict(supervision.get("stall"))
+        yield from self._gpus(stall.get("gpus"))
         yield from self._gauge(
             "time_since_progress_seconds",
             "seconds since the trainer last showed progress (a new epoch, log line, checkpoint)",
@@ -200,6 +201,26 @@ class _StatusCollector(Collector):
                 "preemption_action_timestamp_seconds",
                 "when the provider said it will take the box (epoch seconds)",
                 _dict(notice).get("action_at"),
+            )
+
+    def _gpus(self, gpus: Any) -> Iterator[Metric]:
+        """Per GPU (label ``gpu``: its NVML index), from the stall watch's latest NVML sample
+        (:meth:`agent.gpu.health.GpuSample.as_dict`): no NVML call of its own."""
+        rows = [g for g in gpus if isinstance(g, Mapping)] if isinstance(gpus, list) else []
+        indexed = [
+            (str(g["index"]), g)
+            for g in rows
+            if isinstance(g.get("index"), int) and not isinstance(g.get("index"), bool)
+        ]
+        for name, field, doc in (
+            ("gpu_memory_used_bytes", "memory_used_bytes", "device memory in use, bytes"),
+            ("gpu_memory_total_bytes", "memory_total_bytes", "device memory in all, bytes"),
+        ):
+            yield from self._labelled(
+                name,
+                f"{doc} (NVML, the stall watch's latest sample)",
+                "gpu",
+                ((index, g.get(field)) for index, g in indexed),
             )
 
     def _training(self) -> Iterator[Metric]:

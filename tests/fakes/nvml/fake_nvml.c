@@ -3,6 +3,8 @@
  * FAKE_NVML_CONTROL at every call (so a test changes the box while the host runs):
  *
  *   gpus=2  driver=580.159.04  cuda=13000  util=97  power=650000  limit=700000  temp=61
+ *   mem_total=150754820096  mem_used=30000000000 (bytes; free is what is left)
+ *   mem_rc=4 (nvmlDeviceGetMemoryInfo answers that code, e.g. NO_PERMISSION)
  *   ecc=0  reasons=0  init_rc=0  lost=1 (GPU 1 is lost: its calls answer 15)
  *   xids=0:79,1:13 (Xid events in order; each is delivered once)
  *   hang=<symbol> (that call never returns)  crash=<symbol> (that call segfaults)
@@ -20,6 +22,7 @@
 typedef struct { int index; } dev_t_;
 typedef struct { dev_t_ *device; unsigned long long eventType, eventData; unsigned int gi, ci; } event_t;
 typedef struct { unsigned int gpu, memory; } util_t;
+typedef struct { unsigned long long total, free, used; } memory_t;  /* nvmlMemory_t (v1) */
 
 static dev_t_ devs[16];
 static int events_set;
@@ -109,6 +112,19 @@ int nvmlDeviceGetUtilizationRates(dev_t_ *d, util_t *u) {
     enter("nvmlDeviceGetUtilizationRates");
     int rc = check(d); if (rc) return rc;
     u->gpu = (unsigned int)num("util", 0); u->memory = (unsigned int)num("memutil", 0);
+    return 0;
+}
+int nvmlDeviceGetMemoryInfo(dev_t_ *d, memory_t *m) {
+    enter("nvmlDeviceGetMemoryInfo");
+    int rc = check(d); if (rc) return rc;
+    if (!m) return 2;                                 /* INVALID_ARGUMENT */
+    rc = (int)num("mem_rc", 0); if (rc) return rc;
+    char v[64];
+    /* strtoull: 141 GiB does not fit the long of num() on every platform. */
+    unsigned long long total = ctl("mem_total", v, sizeof v) ? strtoull(v, NULL, 0) : 85899345920ULL;
+    unsigned long long used = ctl("mem_used", v, sizeof v) ? strtoull(v, NULL, 0) : 0ULL;
+    if (used > total) used = total;
+    m->total = total; m->used = used; m->free = total - used;
     return 0;
 }
 #define UINT_GETTER(name, key, dflt) \
