@@ -487,6 +487,40 @@ def test_chart_hover_shows_the_epochs_values_and_every_metric_is_selectable(
 
 
 @requires_browser
+def test_gpu_memory_is_charted_in_gib_with_its_hover_value(tmp_path: Path) -> None:
+    """/history's gpu/memory_used_bytes (NVML, through the agent) is a series of its own, shown
+    in GiB of the GPUs' total; the total itself is not a series."""
+
+    async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
+        history = {r["epoch"]: r for r in await get_json(base, "/history")}
+        right = page.locator("#chart-right")
+        await expect(page.locator("#chart")).to_have_attribute("data-points", str(len(history)))
+        options = await right.locator("option").evaluate_all("os => os.map(o => o.value)")
+        assert "gpu/memory_used_bytes" in options
+        assert "gpu/memory_total_bytes" not in options
+        await right.select_option("gpu/memory_used_bytes")
+        label = "GPU memory GiB of 140 (at the epoch's end)"  # 150,754,820,096 bytes
+        await expect(page.locator("#metric-name")).to_have_text(label)
+        # Every epoch has a figure (not only the validated ones).
+        await expect(page.locator("#chart")).to_have_attribute(
+            "data-metric-points", str(len(history))
+        )
+        chart = page.locator("#chart")
+        box = await chart.bounding_box()
+        assert box is not None
+        await chart.hover(position={"x": box["width"] * 0.4, "y": box["height"] / 2})
+        tip = page.locator("#chart-tip")
+        await expect(tip).to_be_visible()
+        text = await tip.text_content() or ""
+        row = history[int(text.split()[1])]
+        gib = round(row["gpu/memory_used_bytes"] / (1 << 30), 4)
+        assert f"{label} {gib:g}" in text, (text, row)
+        assert 52 <= gib < 54
+
+    assert on_scene(tmp_path, "mid", check) == []
+
+
+@requires_browser
 def test_event_feed_filters_by_kind(tmp_path: Path) -> None:
     async def check(page: Page, base: str, scene: Scene, server: StatusServer) -> None:
         items = page.locator("#events li")
