@@ -30,6 +30,7 @@ from agent.client import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, HelpFormatter, err
 from agent.client import add_parsers as add_client_parsers
 from agent.config.jobfile import load_job
 from agent.config.model import ConfigError, Env, Job
+from agent.policy import exitcode
 from agent.util import logutil
 
 if TYPE_CHECKING:
@@ -500,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="demo job only: HTTP port of its status endpoint (default: a free one)",
     )
     r.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
-    r.set_defaults(func=cmd_run)
+    r.add_argument("--exit-codes", choices=("agent", "engine"), default="agent", help=exitcode.HELP)
+    r.set_defaults(func=exitcode.wrap(cmd_run))
 
     pf = sub.add_parser(
         "preflight",

@@ -416,6 +416,12 @@ class NotifySection:
         return f"{parsed.scheme}://{host}/..."
 
 
+#: Where a run's id comes from, first set wins: ours, then the launch engines' own, each
+#: stable across the engine's relaunches of one run (SkyPilot's task id is the same on every
+#: recovery of a managed job, sky/skylet/constants.py; dstack's runner sets the run's name).
+RUN_ID_VARIABLES = ("LIBREYOLO_AGENT_RUN_ID", "SKYPILOT_TASK_ID", "DSTACK_RUN_NAME")
+
+
 @dataclass(frozen=True)
 class Env:
     """What the agent reads from the environment. Secrets never appear in ``repr``."""
@@ -437,6 +443,11 @@ class Env:
     runpod_api_key: str | None = field(default=None, repr=False)
     #: Lambda: ``LAMBDA_API_KEY`` (an account key: Lambda puts none on the instance).
     lambda_api_key: str | None = field(default=None, repr=False)
+    #: The run's id where a launch engine names it, the same on every box it relaunches the
+    #: job on (:data:`RUN_ID_VARIABLES`, first set wins); notices name the run by it.
+    run_id: str | None = None
+    #: The variable ``run_id`` came from.
+    run_id_from: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -452,6 +463,7 @@ class Env:
             # A key pasted with its newline would make an invalid HTTP header.
             return (e.get(name) or "").strip() or None
 
+        run_id_from = next((n for n in RUN_ID_VARIABLES if value(n)), None)
         return cls(
             state_dir=state_dir,
             hf_endpoint=endpoint,
@@ -463,7 +475,13 @@ class Env:
             runpod_pod_id=value("RUNPOD_POD_ID"),
             runpod_api_key=value("RUNPOD_API_KEY"),
             lambda_api_key=value("LAMBDA_API_KEY"),
+            run_id=value(run_id_from) if run_id_from else None,
+            run_id_from=run_id_from,
         )
+
+    def run_name(self, job_name: str) -> str:
+        """How notices name the run: the job's name, with the engine's run id when set."""
+        return f"{job_name} [{self.run_id}]" if self.run_id else job_name
 
     def secrets(self) -> tuple[tuple[str, str], ...]:
         """Every secret that is set, as ``(variable, value)``: what messages must redact."""

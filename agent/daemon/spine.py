@@ -165,7 +165,10 @@ class Daemon:
             # Webhook notices ([notify]), or None (agent/status/notify.py).
             notifier=(
                 Notifier(
-                    job.notify, events, secrets=[v for _, v in env.secrets()], job=job.job.name
+                    job.notify,
+                    events,
+                    secrets=[v for _, v in env.secrets()],
+                    job=env.run_name(job.job.name),
                 )
                 if job.notify is not None
                 else None
@@ -249,6 +252,8 @@ class Daemon:
         ctx = self.ctx
         # The Hub client's timeouts, once, for staging, sync and everything else.
         hub.configure(ctx.env)
+        if ctx.env.run_id:  # a launch engine's run: the same id on every box it relaunches
+            log.info("run id %s (from %s)", ctx.env.run_id, ctx.env.run_id_from)
         try:
             previous = ctx.store.load()
         except (ValueError, KeyError, TypeError) as exc:
