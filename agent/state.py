@@ -52,6 +52,8 @@ class Reason(StrEnum):
     STOPPED_BY_USER = "stopped_by_user"  #: ``libreyolo-agent stop`` / POST /stop
     #: the disk cannot hold the next checkpoint, even after pruning verified ``epoch_N.pt``
     DISK_FULL = "disk_full"
+    #: the losses or the weights went NaN/inf (agent/daemon/diverge.py): never resumed
+    DIVERGED = "diverged"
     #: the agent itself crashed again and again in the same place: a person must look
     AGENT_FAILED = "agent_failed"
 

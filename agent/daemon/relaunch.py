@@ -19,7 +19,7 @@ from agent.policy import resume
 from agent.policy.resume import AlreadyDone
 from agent.sinks import SinkError
 from agent.state import LaunchIntent, Reason
-from agent.trainer.outcome import Outcome
+from agent.trainer.outcome import Outcome, OutcomeKind
 from agent.trainer.process import TrainerError, build_argv, start_once
 from agent.trainer.rundir import read_status
 from agent.util.text import os_error
@@ -207,6 +207,9 @@ async def resume_or_not(
     agent decides again)."""
     if outcome is None:
         return Relaunch(False)  # the launch itself failed: nothing to resume
+    if stop_reason == Reason.DIVERGED or outcome.kind == OutcomeKind.DIVERGED:
+        # NaN is deterministic: a resume from the same weights and options diverges again.
+        return Relaunch(False, Reason.DIVERGED)
     cause: str | None = None
     if ctx.state.preempted:
         cause = "preempted"

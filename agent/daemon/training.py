@@ -3,11 +3,12 @@ milestones, and stop it when a limit, a stall, a GPU fault, a preemption notice 
 
 One turn of the loop wakes on an event (a file change in the run dir, the trainer's exit, a stop
 request, a notice) or on the poll interval. Each turn reads the run dir, feeds new epochs to the
-sync policy, and checks, in order: a stop request, a preemption notice, a GPU fault, the stall
-verdict (:mod:`agent.watch.progress`), the disk (:mod:`agent.watch.disk`), then the deadline and
-budget with the final sync's reserve kept (:mod:`agent.policy.limits`). When the trainer has
-ended without a clean end, :mod:`agent.policy.resume` decides whether it goes on from its
-``last.pt``.
+sync policy, and checks, in order: a stop request, a preemption notice, divergence (NaN/inf
+losses or weights: :mod:`agent.daemon.diverge`), a GPU fault, the stall verdict
+(:mod:`agent.watch.progress`), the disk (:mod:`agent.watch.disk`), then the deadline and budget
+with the final sync's reserve kept (:mod:`agent.policy.limits`). When the trainer has ended
+without a clean end, :mod:`agent.policy.resume` decides whether it goes on from its ``last.pt``;
+a diverged run never does.
 
 One :class:`Training` per run: it owns what only this phase needs (the followed trainer's exit,
 its outcome, the turn count, the budget warner); what the other phases read (the state, the run
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agent.daemon.context import RunContext
+from agent.daemon.diverge import DivergenceWatch
 from agent.daemon.doctor import DoctorBeside
 from agent.daemon.preempted import after_notice, watch_notices
 from agent.daemon.relaunch import launch, resume_or_not
@@ -67,12 +69,20 @@ class Training:
         #: The trainer said completed and did not exit: it was killed, the run counts as done.
         self.hung_at_exit = False
         self.budget = BudgetWarner()
+        #: NaN/inf in the losses or the checkpoints (agent/daemon/diverge.py).
+        self.diverge = DivergenceWatch(ctx)
 
     # ------------------------------------------------------------------ the phase
 
     async def run(self) -> Reason | None:
         """Supervise until the training ends for good: resumes included. Returns the reason it
         ended, or None when the agent itself is exiting (the trainer, if any, goes on)."""
+        try:
+            return await self._run()
+        finally:
+            await self.diverge.close()
+
+    async def _run(self) -> Reason | None:
         ctx = self.ctx
         watch_notices(ctx)
         while True:
@@ -90,6 +100,8 @@ class Training:
                     ctx.breach_message = bad_data
                     stop_reason = Reason.PREFLIGHT_FAILED
             reason = self._classify_and_reason(self.exit_code, stop_reason)
+            if reason in _MAY_HAVE_DIVERGED:
+                reason = await self._diverged_or(reason)
             if reason == Reason.PREEMPTED:
                 if not await after_notice(ctx):
                     return None
@@ -100,6 +112,24 @@ class Training:
                 return None  # the agent is exiting; state.json still holds the dead trainer
             if not relaunch.resumed:
                 return relaunch.reason or reason
+
+    async def _diverged_or(self, reason: Reason) -> Reason:
+        """``diverged`` when the losses or the weights went NaN/inf (whether the agent stopped
+        the trainer for it, or it exited 0 through NaN, or crashed on NaN), with the last good
+        checkpoint queued for the target; else ``reason``."""
+        ctx = self.ctx
+        verdict = await self.diverge.after_exit(ctx.run_dir, self.outcome)
+        if verdict is None:
+            return reason
+        await self.diverge.keep_last_good()
+        if reason != Reason.DIVERGED:
+            self.outcome = Outcome(OutcomeKind.DIVERGED, self.exit_code, verdict.why)
+            ctx.state.outcome = self.outcome.to_dict()
+            ctx.events.publish("warning", message=f"diverged at epoch {verdict.epoch}")
+        ctx.state.cause = self.diverge.cause()
+        log.error("%s", ctx.state.cause)
+        ctx.save()
+        return Reason.DIVERGED
 
     # ------------------------------------------------------------------ one trainer
 
@@ -224,6 +254,8 @@ class Training:
                     waiters.add(asyncio.ensure_future(event.wait()))
         if not flags.shutdown.is_set():
             waiters.add(asyncio.ensure_future(flags.shutdown.wait()))
+        if stop_task is None and not self.diverge.changed.is_set():
+            waiters.add(asyncio.ensure_future(self.diverge.changed.wait()))
         doctor = self.doctor.waiter() if stop_task is None else None
         if doctor is not None:
             waiters.add(doctor)
@@ -252,6 +284,14 @@ class Training:
             )
             await ctx.save_now()
             return Reason.PREEMPTED
+        diverged = await self.diverge.poll(ctx.run_dir)
+        if diverged is not None:
+            ctx.breach_message = f"diverged at epoch {diverged.epoch}: {diverged.why}"
+            log.error(
+                "%s: stopping the trainer (a diverged run is not resumed)", ctx.breach_message
+            )
+            ctx.events.publish("warning", message=ctx.breach_message)
+            return Reason.DIVERGED
         bad_data = self.doctor.verdict()
         if bad_data is not None:
             ctx.breach_message = bad_data
@@ -447,6 +487,7 @@ class Training:
                 f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
             )
             self._publish_epoch(status, previous)
+            self.diverge.on_epoch(ctx.run_dir)
             if ctx.sync is not None:
                 await ctx.sync.on_epoch(ctx.run_dir, status, extra_files=ctx.agent_files())
             stop = await self._check_disk()
@@ -497,6 +538,13 @@ def reserve_s(ctx: RunContext) -> float:
         final_bytes=final,
         pending_bytes=uploads.pending_bytes if uploads else 0,
     )
+
+
+#: Reasons a run that diverged may first be classified as: the agent's stop for it, an exit 0
+#: through NaN, a crash on NaN (exit 1), a trainer stalled on NaN.
+_MAY_HAVE_DIVERGED = frozenset(
+    {Reason.DIVERGED, Reason.COMPLETED, Reason.TRAINING_FAILED, Reason.STALLED}
+)
 
 
 @dataclass(frozen=True)

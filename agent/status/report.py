@@ -217,6 +217,9 @@ def teardown_words(td: Mapping[str, Any] | None) -> str:
 def headline(report: Mapping[str, Any]) -> str:
     """``run1: completed in 3h12m, $11.20, destroyed (confirmed)``."""
     how = report.get("reason") or str(report.get("phase", "?")).lower()
+    cause = str(report.get("cause") or "")
+    if how == "diverged" and cause.startswith("diverged at epoch "):
+        how = cause.partition(":")[0]  # which epoch, in the first line a person reads
     if report.get("phase") == "FAILED":
         how = f"FAILED ({how})"
     money = report.get("money") or {}

@@ -29,6 +29,8 @@ class OutcomeKind(StrEnum):
     MODEL = "model"  #: the model could not be built or loaded (exit 4)
     KILLED = "killed"  #: a signal ended it (SIGKILL, the OOM killer, a stop that escalated)
     LOST = "lost"  #: it is gone and left no status.json to tell how
+    #: it ended by itself with NaN/inf losses or weights (exit 0 through NaN, or a crash on NaN)
+    DIVERGED = "diverged"
 
 
 #: LibreYOLO CLI exit codes (1.6.0).
