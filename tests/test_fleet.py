@@ -433,7 +433,10 @@ def test_a_relaunch_on_a_fresh_box_resumes_from_the_targets_last_pt_under_one_ru
             return 0
 
         def paused_at_two() -> bool:
-            trainers = [p for p in box_processes(state1, runs1) if "train" in p.cmdline()]
+            # cmdline as read once by process_iter: a process gone since raises nothing.
+            trainers = [
+                p for p in box_processes(state1, runs1) if "train" in (p.info["cmdline"] or [])
+            ]
             return remote_epoch() >= 2 and any(is_stopped(p.pid) for p in trainers)
 
         asyncio.run(wait_for(paused_at_two))
