@@ -563,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args: argparse.Namespace | None = None
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -577,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             err(str(error))
         return EXIT_CONFIG
     except KeyboardInterrupt:
-        return EXIT_FAIL
+        # Ctrl-C is how a person ends `status --watch` (as `logs --follow`): a normal end.
+        return EXIT_OK if getattr(args, "watch", False) else EXIT_FAIL
     except BrokenPipeError:
         # The reader went away (`status | head`): no traceback. Python's documented remedy:
         # stdout to /dev/null, so the flush at exit does not raise again.
