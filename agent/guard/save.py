@@ -338,7 +338,7 @@ async def notify(
     try:
         bus = EventBus()
         notifier = Notifier(
-            job.notify, bus, secrets=[v for _, v in env.secrets()], job=job.job.name
+            job.notify, bus, secrets=[v for _, v in env.secrets()], job=env.run_name(job.job.name)
         )
         task = asyncio.create_task(notifier.run())
         for kind, data in notices:
