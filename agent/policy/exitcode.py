@@ -25,13 +25,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 from agent.config.model import ConfigError, Env
 from agent.state import Reason, RunState, StateStore
-
-#: Which codes ``run`` exits with: the agent's own (a supervisor's), or the engine's table.
-ExitCodes = Literal["agent", "engine"]
 
 #: The box failed, not the job: relaunch it elsewhere (sysexits ``EX_TEMPFAIL``).
 EXIT_RETRY: Final = 75
