@@ -205,6 +205,7 @@ class Control:
                 if ctx.state.phase is Phase.HELD and ctx.state.reason
                 else None,
                 token_file=str(ctx.store.path("token")),
+                hub_endpoint=ctx.env.hf_endpoint,
             )
         )
 

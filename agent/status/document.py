@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.config.model import Job, LimitsSection, SyncSection
+from agent.config.model import DEFAULT_HF_ENDPOINT, Job, LimitsSection, SyncSection
 from agent.policy.cost import stopped_usd_per_hour
 from agent.policy.limits import deadlines
 from agent.policy.steering import steering_status
@@ -54,12 +54,13 @@ class StatusInputs:
     teardown_preview: str | None = None
     #: Where the control token is (a path, never the token): the page tells people where to look.
     token_file: str | None = None
+    #: The Hub the agent uploads to (``HF_ENDPOINT``, :attr:`agent.config.model.Env.hf_endpoint`):
+    #: the checkpoints' and the post-mortem's links point there, a mirror or a private Hub too.
+    hub_endpoint: str = DEFAULT_HF_ENDPOINT
 
 
 #: At most this many checkpoints are listed in ``/status`` (newest first); the rest are counted.
 MAX_CHECKPOINTS = 50
-#: The Hub's web address: a checkpoint's ``location`` is a page there a person can open.
-HUB_WEB = "https://huggingface.co"
 #: Where the post-mortem lands on the target (the engine stores state files under ``agent/``).
 REPORT_REMOTE_PATH = "agent/report.md"
 #: Ledger kinds that are checkpoints (``.pt``); logs and small files are not listed.
@@ -98,6 +99,8 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "outcome": state.outcome,
         "last_synced_epoch": i.last_synced_epoch,
         "sync": i.sync,
+        # Milestones deferred near the target's commit limit (agent/sync/commits.py).
+        "sync_cadence": (i.sync or {}).get("cadence"),
         "preflight": i.preflight,
         "staging": i.staging,
         "limits": deadlines(
@@ -109,8 +112,8 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "supervision": i.supervision,
         "notify": i.notify,
         "sizing": i.sizing,
-        **checkpoint_list(ledger, i.job.sync),
-        "post_mortem": post_mortem(ledger, i.job.sync),
+        **checkpoint_list(ledger, i.job.sync, hub_endpoint=i.hub_endpoint),
+        "post_mortem": post_mortem(ledger, i.job.sync, hub_endpoint=i.hub_endpoint),
         "actions": i.actions,
         "teardown_preview": i.teardown_preview,
         "token_file": i.token_file,
@@ -185,19 +188,25 @@ def provider_disk(preflight: dict[str, Any] | None) -> tuple[float | None, float
     return None, None
 
 
-def target_location(sync: SyncSection | None, remote_path: str) -> str | None:
-    """Where ``remote_path`` is on the target, as a person opens it: the Hub page of the file
-    (``https://huggingface.co/<repo>/blob/main/<path>``; the sink writes to ``main``) or the
-    file's path in the ``file://`` folder. None without a target."""
+def target_location(
+    sync: SyncSection | None, remote_path: str, *, hub_endpoint: str = DEFAULT_HF_ENDPOINT
+) -> str | None:
+    """Where ``remote_path`` is on the target, as a person opens it: the page of the file on
+    the Hub the sink uploads to (``<hub_endpoint>/<repo>/blob/main/<path>``, the sink writes to
+    ``main``) or the file's path in the ``file://`` folder. None without a target."""
     if sync is None:
         return None
     if sync.scheme == "hf":
-        return f"{HUB_WEB}/{sync.location}/blob/main/{remote_path}"
+        return f"{hub_endpoint.rstrip('/')}/{sync.location}/blob/main/{remote_path}"
     return str(Path(sync.location) / remote_path)
 
 
 def checkpoint_list(
-    entries: Iterable[LedgerEntry], sync: SyncSection | None, limit: int = MAX_CHECKPOINTS
+    entries: Iterable[LedgerEntry],
+    sync: SyncSection | None,
+    limit: int = MAX_CHECKPOINTS,
+    *,
+    hub_endpoint: str = DEFAULT_HF_ENDPOINT,
 ) -> dict[str, Any]:
     """``checkpoints``: the ``.pt`` files of the ledger, newest first (verified time, else
     queued time), at most ``limit``, each with its place on the target, size, sha256 prefix and
@@ -209,7 +218,7 @@ def checkpoint_list(
         "checkpoints": [
             {
                 "path": e.remote_path,
-                "location": target_location(sync, e.remote_path),
+                "location": target_location(sync, e.remote_path, hub_endpoint=hub_endpoint),
                 "epoch": e.epoch,
                 "kind": e.kind.value,
                 "size": e.size,
@@ -223,10 +232,15 @@ def checkpoint_list(
     }
 
 
-def post_mortem(entries: Iterable[LedgerEntry], sync: SyncSection | None) -> dict[str, Any] | None:
+def post_mortem(
+    entries: Iterable[LedgerEntry],
+    sync: SyncSection | None,
+    *,
+    hub_endpoint: str = DEFAULT_HF_ENDPOINT,
+) -> dict[str, Any] | None:
     """Where ``report.md`` is (or will be) on the target, and whether it was verified there:
     the link a person follows once the agent has gone. None without a target."""
-    location = target_location(sync, REPORT_REMOTE_PATH)
+    location = target_location(sync, REPORT_REMOTE_PATH, hub_endpoint=hub_endpoint)
     if location is None:
         return None
     entry = next((e for e in entries if e.remote_path == REPORT_REMOTE_PATH), None)
