@@ -43,6 +43,20 @@ async def settle(page: Page, moment: Moment) -> None:
         )
 
 
+async def gpu_memory(page: Page, out: Path) -> Path:
+    """The chart with GPU memory (NVML, per epoch) on its right axis, hovered:
+    ``mid-gpu-memory-light-1280.jpg``."""
+    await page.select_option("#chart-right", "gpu/memory_used_bytes")
+    chart = page.locator("#chart")
+    await chart.scroll_into_view_if_needed()
+    box = await chart.bounding_box()
+    assert box is not None
+    await chart.hover(position={"x": box["width"] * 0.68, "y": box["height"] / 2})
+    path = out / "mid-gpu-memory-light-1280.jpg"
+    await page.screenshot(path=str(path), type="jpeg", quality=QUALITY)
+    return path
+
+
 async def shoot(out: Path, chromium: str) -> list[Path]:
     written: list[Path] = []
     async with async_playwright() as pw:
@@ -91,6 +105,8 @@ async def shoot(out: Path, chromium: str) -> list[Path]:
                         path = out / f"{moment}-{scheme}-{width}.jpg"
                         await page.screenshot(path=str(path), type="jpeg", quality=QUALITY)
                         written.append(path)
+                        if moment == "mid" and scheme == "light" and width == 1280:
+                            written.append(await gpu_memory(page, out))
                         await page.close()
                     if moment != "done":
                         await server.stop()

@@ -59,7 +59,8 @@ def metrics_row(epoch: int) -> dict[str, Any]:
         # Merged in by the agent's /history (agent/daemon/control.py), not LibreYOLO's.
         "gpu/util_pct": 86.0 + (epoch % 4) * 2.5,
         "gpu/power_w": 590.0 + (epoch % 3) * 12.0,
-        "gpu/memory_used_bytes": float((52 << 30) + (epoch % 5) * (1 << 28)),
+        # PyTorch's caching allocator grows over the first epochs, then holds.
+        "gpu/memory_used_bytes": float(round((48 + 4 * (1 - 0.7**epoch)) * (1 << 30))),
         "gpu/memory_total_bytes": 150_754_820_096.0,  # one H200
     }
     if row["validated"]:
