@@ -182,17 +182,23 @@ def test_whole_job_completes_syncs_verified_checkpoints_and_answers_status(
 
 @requires_libreyolo
 def test_trainer_killed_mid_run_is_reported_as_training_failed_with_cause(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # limits.max_restarts = 0: the kill is not resumed (tests/test_supervise.py has the resumes).
     job = make_job(tmp_path, dataset, epochs=200)
     job = dataclasses.replace(job, limits=dataclasses.replace(job.limits, max_restarts=0))
     env = env_for(tmp_path)
+    # Killed once epoch 1 is whole on disk: a kill sent when the agent had seen epoch 1 landed,
+    # under load, while epoch 2 overwrote last.pt, before the agent had copied epoch 1's (the
+    # sync then had no whole last.pt to send: a kill in that window loses the epoch).
+    pause_after_epoch(monkeypatch, 1)
 
     async def during(daemon: Daemon, probe: Probe, session: aiohttp.ClientSession) -> None:
         await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs >= 1)
         assert daemon.trainer is not None
-        os.killpg(os.getpgid(daemon.trainer.pid), signal.SIGKILL)
+        pid = daemon.trainer.pid
+        await wait_for(lambda: is_stopped(pid))
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
 
     code, daemon, _ = asyncio.run(run_daemon(job, env, during))
 
