@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -63,23 +64,29 @@ def tensors_finite(path: Path) -> dict[str, object]:
     return answer
 
 
-def assert_diverged_at_2_with_epoch_1_kept(tmp: Path, daemon: Daemon) -> str:
+def assert_diverged_with_the_epoch_before_kept(tmp: Path, daemon: Daemon) -> str:
+    """Epoch 1 is finite and epoch 2 is not, here; on another CPU (thread count, summation
+    order) NaN may come an epoch later: the rule checked is that the epoch before the one named
+    is the one kept, and that it is finite."""
     state = daemon.state
     assert state.reason == Reason.DIVERGED
     cause = state.cause or ""
-    assert "diverged at epoch 2" in cause, cause
-    assert "last good checkpoint: epoch 1" in cause, cause
+    found = re.match(
+        r"diverged at epoch (\d+): .*last good checkpoint: epoch (\d+), kept as", cause
+    )
+    assert found, cause
+    bad, good = int(found.group(1)), int(found.group(2))
+    assert bad >= 2 and good == bad - 1, cause
     assert not state.resumes  # never resumed
-    good = tmp / "synced" / "weights" / "last-good.pt"
-    answer = tensors_finite(good)
-    assert answer["bad_count"] == 0 and answer["epoch"] == 1, answer
+    answer = tensors_finite(tmp / "synced" / "weights" / "last-good.pt")
+    assert answer["bad_count"] == 0 and answer["epoch"] == good, answer
     # The target's last-good.pt is verified like any upload.
     assert daemon.sync is not None and daemon.sync.verify_result is not None
     assert daemon.sync.verify_result.sync_verified
     entry = daemon.sync.verified_remote("weights/last-good.pt")
-    assert entry is not None and entry.epoch == 1
+    assert entry is not None and entry.epoch == good
     log = (tmp / "state" / "agent.log").read_text()
-    assert "diverged at epoch 2" in log
+    assert f"diverged at epoch {bad}" in log
     # A diverged run is a failure: the box is kept (on_failure = stop), never resumed.
     assert state.teardown is not None and state.teardown["action"] == "stop"
     return log
@@ -92,14 +99,14 @@ def test_yolo9_null_losses_stop_the_trainer_and_keep_epoch_1_as_last_good(
     daemon = run_job(
         tmp_path, dataset, "lr0 = 100000.0\nwarmup_epochs = 0", epochs=6, model="yolo9-t"
     )
-    log = assert_diverged_at_2_with_epoch_1_kept(tmp_path, daemon)
+    log = assert_diverged_with_the_epoch_before_kept(tmp_path, daemon)
     assert "in metrics.jsonl" in (daemon.state.cause or "")
     # The agent stopped it (SIGINT) instead of letting it train on through NaN to exit 0.
     assert "trainer stopped (SIGINT)" in log
     assert daemon.status is not None and daemon.status.completed_epochs < 6
     assert daemon.run_dir is not None
     rows = [json.loads(x) for x in (daemon.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[1]["epoch"] == 2 and rows[1]["train/loss"] is None
+    assert any(r["train/loss"] is None for r in rows)  # the null-loss form it was meant to be
 
 
 @requires_libreyolo
@@ -107,7 +114,7 @@ def test_yolox_crash_on_nan_is_diverged_not_resumed_with_epoch_1_kept(
     tmp_path: Path, dataset: Path
 ) -> None:
     daemon = run_job(tmp_path, dataset, "lr0 = 6.0\nwarmup_epochs = 0", epochs=4)
-    assert_diverged_at_2_with_epoch_1_kept(tmp_path, daemon)
+    assert_diverged_with_the_epoch_before_kept(tmp_path, daemon)
     assert daemon.state.outcome is not None
     assert daemon.state.outcome["kind"] == "diverged" and daemon.state.outcome["exit_code"] == 1
     assert "between 0 and 1" in (daemon.state.cause or "")
