@@ -81,7 +81,7 @@ class DivergenceWatch:
         self.good_epoch: int | None = None
         #: The newest epoch whose checkpoint was read (good or not).
         self.checked_epoch = 0
-        #: The latest weights check, for the log, ``/status`` and the bench.
+        #: The latest weights check (what it found, what it cost).
         self.last_check: WeightsCheck | None = None
         self._task: asyncio.Task[None] | None = None
         self._again = False
@@ -130,18 +130,6 @@ class DivergenceWatch:
         else:
             kept = "no checkpoint of this run was good: no last-good.pt"
         return f"diverged at epoch {v.epoch}: {v.why}; {kept}; not resumed"
-
-    def snapshot(self) -> dict[str, Any]:
-        """For the post-mortem and ``/status``."""
-        check = self.last_check
-        return {
-            "diverged": None
-            if self.verdict is None
-            else {"epoch": self.verdict.epoch, "why": self.verdict.why},
-            "good_epoch": self.good_epoch,
-            "checked_epoch": self.checked_epoch,
-            "last_check_s": None if check is None else round(check.seconds, 3),
-        }
 
     # ------------------------------------------------------------------ while training
 
