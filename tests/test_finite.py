@@ -226,8 +226,13 @@ def test_exit_0_through_nan_and_a_crash_on_nan_are_both_diverged(tmp_path: Path)
         return await watch.after_exit(run, outcome), watch
 
     completed = Outcome(OutcomeKind.COMPLETED, 0, "training completed")
-    verdict, _ = asyncio.run(after(tmp_path / "a", [row(1), row(2, None), row(3, None)], completed))
+    verdict, watch = asyncio.run(
+        after(tmp_path / "a", [row(1), row(2, None), row(3, None)], completed)
+    )
     assert verdict is not None and verdict.epoch == 2
+    # A healthy finished run pays no child on its way to the teardown: its losses only.
+    verdict, watch = asyncio.run(after(tmp_path / "d", [row(1), row(2)], completed))
+    assert verdict is None and watch.last_check is None
 
     crash = Outcome(
         OutcomeKind.RUNTIME, 1, "Training failed: all elements of input should be between 0 and 1"

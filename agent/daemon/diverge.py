@@ -18,7 +18,8 @@ trainer again and never resumes it (:mod:`agent.daemon.relaunch`).
 After a trainer ended by itself (:meth:`DivergenceWatch.after_exit`) the same checks run once
 more on what it left: LibreYOLO's ``yolo9-t`` trains on through NaN and exits 0, ``yolox-n``
 dies at the first NaN with exit 1; both are ``diverged``, never ``completed`` or a failure to
-resume.
+resume. A run that completed is judged on its losses alone there (no child on the way from its
+exit to the teardown).
 """
 
 from __future__ import annotations
@@ -222,7 +223,18 @@ class DivergenceWatch:
     async def after_exit(self, run_dir: Path | None, outcome: Outcome | None) -> Diverged | None:
         """The trainer ended by itself (or the agent stopped it): finish the check under way,
         read the losses, and the final ``last.pt`` when no check has read it; a crash (exit 1)
-        whose words say NaN is divergence too. The verdict, or None."""
+        whose words say NaN is divergence too. The verdict, or None.
+
+        A run that completed takes the fast path: its losses only, no child unless they say it
+        diverged (the trainer's exit -> FINISHING -> teardown path of every finished run must
+        not wait seconds for a torch import)."""
+        if outcome is not None and outcome.completed and run_dir is not None:
+            if self.verdict is None:
+                self._metrics_key = None
+                await self._scan_metrics(run_dir)
+            if self.verdict is None:
+                await self.close()
+                return None
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
