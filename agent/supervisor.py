@@ -288,9 +288,8 @@ class Supervisor:
 
     @contextlib.contextmanager
     def _guard(self, handler: logging.Handler) -> Any:
-        """The guard hosted in a thread for the supervision's life, handed over to a guard
-        process at its end when its work is not over (agent/guard/hosted.py). Imported here
-        only: the guard's modules are the price of the process it saves."""
+        """The guard in a thread for the supervision's life, handed over to a guard process at
+        its end if its work is not over (agent/guard/hosted.py; imported here only)."""
         if not self.host_guard:
             yield
             return
