@@ -37,23 +37,20 @@ is left alone.
 
 from __future__ import annotations
 
-import contextlib
-import email.utils
 import errno
 import importlib
 import logging
-import math
 import os
 import re
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent import __version__
 from agent.config.model import Env
+from agent.util import backoff
 from agent.util import redact as redaction
 from agent.util.text import one_line
 
@@ -63,6 +60,12 @@ log = logging.getLogger(__name__)
 #: ``tests/test_hub.py`` pass on it (1.3.2 builds a commit's ``RepoUrl`` with the client's
 #: endpoint; with 1.3.1 every commit to another endpoint than ``HF_ENDPOINT`` fails after upload).
 MIN_HUB_VERSION = "1.3.2"
+
+#: Commits the Hub accepts per repo per hour, the figure its users quote (past it: HTTP 429
+#: "You have exceeded our hourly quotas for action: commit", with ``Retry-After``). The sync
+#: groups a milestone's files into one commit and spaces milestones out near it
+#: (:mod:`agent.sync.commits`).
+COMMITS_PER_HOUR = 128
 
 
 class HubVersionError(ImportError):
@@ -535,16 +538,12 @@ def _http_failure(exc: HfHubHTTPError, token: str | None) -> HubFailure:
 
 
 def _retry_after_s(headers: hub_http.Headers, status: int) -> float | None:
-    """Seconds the Hub asks to wait: ``Retry-After`` (seconds or an HTTP date), else on a 429
-    the reset of an exhausted ``RateLimit`` (what huggingface_hub's own backoff honours)."""
-    value = (headers.get("Retry-After") or "").strip()
-    if value:
-        with contextlib.suppress(ValueError):
-            seconds = float(value)
-            return max(0.0, seconds) if math.isfinite(seconds) else None
-        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-            when = email.utils.parsedate_to_datetime(value)
-            return max(0.0, when.timestamp() - time.time())
+    """Seconds the Hub asks to wait: ``Retry-After`` (seconds or an HTTP date, read by the one
+    backoff home, :func:`agent.util.backoff.retry_after_s`), else on a 429 the reset of an
+    exhausted ``RateLimit`` (what huggingface_hub's own backoff honours)."""
+    asked = backoff.retry_after_s(headers)
+    if asked is not None:
+        return asked
     if status == 429:
         info = _load().parse_ratelimit_headers(headers)
         if info is not None and info.remaining == 0:

@@ -476,7 +476,7 @@ def _run_with(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(240)
 def test_hub_and_sink_tests_pass_on_the_oldest_allowed_huggingface_hub() -> None:
     """huggingface_hub 1.x builds on httpx, not httpx2 (a GPU image shipped 1.33): this file and
-    the sink's run again on MIN_HUB_VERSION."""
+    the sink's and the one-commit-per-milestone tests run again on MIN_HUB_VERSION."""
     site = _hub_site(hub.MIN_HUB_VERSION)
     probe = _run_with(
         site,
@@ -485,7 +485,10 @@ def test_hub_and_sink_tests_pass_on_the_oldest_allowed_huggingface_hub() -> None
         "print(huggingface_hub.__version__, hub.hub_http.__name__)",
     )
     assert probe.stdout.split() == [hub.MIN_HUB_VERSION, "httpx"], probe.stderr
-    files = [__file__, str(ROOT / "tests" / "test_sink_hf.py")]
+    files = [
+        __file__,
+        *(str(ROOT / "tests" / f) for f in ("test_sink_hf.py", "test_sync_commits.py")),
+    ]
     run = _run_with(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]

@@ -12,6 +12,7 @@ be cancellation-safe, and two uploads of the same path can never overlap.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -44,12 +45,24 @@ class SinkError(Exception):
 class Sink(Protocol):
     #: Human-readable target, without secrets (``file:///backup/run1``, ``hf://org/repo``).
     description: str
+    #: How many files one :meth:`upload_many` call may carry: 1 where a file costs nothing on
+    #: its own (a folder: each file goes alone, several at once), more where each call is a
+    #: commit the target counts (the Hub: one milestone, one commit).
+    max_files_per_upload: int
+    #: Commits the target accepts per hour (the Hub's per-repo limit), None where uploads are
+    #: not commits: the sync spaces its milestones out near it (:mod:`agent.sync.commits`).
+    commits_per_hour: int | None
 
     def prepare(self) -> None:
         """Make the target exist (create the folder / the repo). Safe to repeat."""
 
     def upload(self, local: Path, remote_path: str) -> None:
         """Store ``local`` at ``remote_path`` (a relative POSIX path). Blocking."""
+
+    def upload_many(self, files: Sequence[tuple[Path, str]]) -> None:
+        """Store each ``(local, remote_path)`` at once: one commit on a target that has commits
+        (all of them land or none does). Blocking. Nothing is read back: the caller checks each
+        file with :meth:`stat`."""
 
     def stat(self, remote_path: str) -> RemoteFile | None:
         """Read back the stored file's size and sha256; None when it is not there. Blocking."""

@@ -4,7 +4,11 @@ Client set-up (timeouts), the version floor, error classification and token reda
 :mod:`agent.hub`; this module words what a failed call means for sync. The daemon calls
 :func:`agent.hub.configure` at start-up, before a sink is built.
 
-One call is one attempt: ``sync.py`` owns timeouts, retries and backoff. Two things the client
+One call is one attempt: ``sync.py`` owns timeouts, retries and backoff. One
+:meth:`HubSink.upload_many` is one commit (``create_commit`` with one ``CommitOperationAdd`` per
+file: the client's preupload, then the LFS batch API and a PUT per checkpoint, then one NDJSON
+commit): the Hub counts commits per repo per hour (:data:`agent.hub.COMMITS_PER_HOUR`), so a
+milestone's files go together, never one commit each. Two things the client
 does on its own are worth knowing (``huggingface_hub`` 2.4.0, the same in 1.33):
 
 - Its shared HTTP client has no timeout at all unless :func:`agent.hub.configure` gave it one,
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from huggingface_hub import (
@@ -48,9 +53,15 @@ from agent.sinks.digests import DIGESTS
 
 log = logging.getLogger(__name__)
 
+#: Files in one commit at most: a milestone holds about ten; the final sync of a long run with
+#: ``save_period`` may hold hundreds of ``epoch_N.pt``, sent in commits of this many.
+MAX_FILES_PER_COMMIT = 50
+
 
 class HubSink:
     """Checkpoints go to a model repo on the Hub (created private unless told otherwise)."""
+
+    max_files_per_upload = MAX_FILES_PER_COMMIT
 
     def __init__(self, repo_id: str, *, env: Env, private: bool, revision: str = "main") -> None:
         self.repo_id = repo_id
@@ -61,6 +72,8 @@ class HubSink:
         # Secrets come from the environment only: no fallback to a token saved on disk.
         self._token: str | None = env.hf_token
         self._api = hub.api(env)
+        #: The Hub's commit limit for this repo; a test's sink may be given a smaller one.
+        self.commits_per_hour: int | None = hub.COMMITS_PER_HOUR
 
     # ---- Sink ----------------------------------------------------------------------------------
 
@@ -81,22 +94,31 @@ class HubSink:
             raise self._error(f"creating {self.description}", exc) from exc
 
     def upload(self, local: Path, remote_path: str) -> None:
-        path = self._check(remote_path)
-        if not local.is_file():
-            raise SinkError(f"upload of {path} to {self.description}: {local} is not a file")
-        try:
+        self.upload_many([(local, remote_path)])
+
+    def upload_many(self, files: Sequence[tuple[Path, str]]) -> None:
+        paths = [self._check(remote) for _, remote in files]
+        if not paths:
+            return
+        what = paths[0] if len(paths) == 1 else f"{len(paths)} files ({_summary(paths)})"
+        ops = []
+        for (local, _), path in zip(files, paths, strict=True):
+            if not local.is_file():
+                raise SinkError(f"upload of {path} to {self.description}: {local} is not a file")
             op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
             _give_known_digest(op, local)
+            ops.append(op)
+        try:
             info = self._api.create_commit(
                 self.repo_id,
-                operations=[op],
-                commit_message=f"libreyolo-agent: upload {path}",
+                operations=ops,
+                commit_message=f"libreyolo-agent: upload {_summary(paths)}",
                 repo_type="model",
                 revision=self.revision,
             )
         except hub.CALL_ERRORS as exc:
-            raise self._error(f"upload of {path} to {self.description}", exc) from exc
-        log.debug("hub commit path=%s repo=%s commit=%s", path, self.repo_id, info.oid)
+            raise self._error(f"upload of {what} to {self.description}", exc) from exc
+        log.debug("hub commit paths=%s repo=%s commit=%s", ",".join(paths), self.repo_id, info.oid)
 
     def stat(self, remote_path: str) -> RemoteFile | None:
         path = self._check(remote_path)
@@ -231,6 +253,13 @@ class HubSink:
             retryable=failure.retryable,
             retry_after_s=failure.retry_after_s,
         )
+
+
+def _summary(paths: Sequence[str]) -> str:
+    """The commit's title: the paths, or the first two and how many more."""
+    if len(paths) <= 3:
+        return ", ".join(paths)
+    return f"{paths[0]}, {paths[1]} and {len(paths) - 2} more"
 
 
 def _repo_exists_after_refused_create(exc: ValueError) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from agent.sinks import RemoteFile, SinkError, check_download
@@ -11,6 +12,11 @@ from agent.sinks.digests import DIGESTS, copy_hashing
 
 
 class LocalSink:
+    #: A copy costs nothing on its own: each file goes alone (several at once), never grouped.
+    max_files_per_upload = 1
+    #: No commits, no limit.
+    commits_per_hour: int | None = None
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.description = f"file://{root}"
@@ -42,6 +48,10 @@ class LocalSink:
             DIGESTS.remember(target.stat(), digest)
         except OSError as exc:
             raise SinkError(f"copy to {target} failed: {exc.strerror or exc}") from exc
+
+    def upload_many(self, files: Sequence[tuple[Path, str]]) -> None:
+        for local, remote_path in files:
+            self.upload(local, remote_path)
 
     def stat(self, remote_path: str) -> RemoteFile | None:
         target = self._target(remote_path)

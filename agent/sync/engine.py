@@ -3,7 +3,8 @@ policy), re-queues at start-up what a killed agent promised (``recover.py``), ve
 at the end and reports all of it for ``/status``. The parts live beside it: ``snapshots.py``
 (stable copies of the files LibreYOLO rewrites in place, made while they are written by
 ``follow.py``), ``verify.py`` (the read-back of everything at the end), ``uploads.py`` (the
-queue: timeouts, backoff, read-back), ``ledger.py`` (what the target must hold, persisted) and
+queue: timeouts, backoff, read-back; one commit per milestone), ``commits.py`` (the Hub's commit
+limit: milestones deferred near it), ``ledger.py`` (what the target must hold, persisted) and
 ``sinks/`` (the targets).
 
 Consistency rule (DESIGN.md): LibreYOLO writes checkpoints in place, before that epoch's
@@ -17,11 +18,11 @@ retry (the read-back catches a file rewritten while it was sent).
 from __future__ import annotations
 
 import asyncio
-import errno
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,14 @@ from agent.config.model import SyncSection
 from agent.sinks import Sink
 from agent.sinks.digests import DIGESTS
 from agent.state import atomic_write_json
+from agent.sync.commits import Cadence, CommitWindow
 from agent.sync.follow import CheckpointFollower
 from agent.sync.ledger import ItemKind, Ledger, LedgerEntry, LedgerStatus
 from agent.sync.recover import requeue_owed, source_of
 from agent.sync.redactlog import as_sent
-from agent.sync.snapshots import (
-    Snapshot,
-    Snapshotter,
-    has_content,
-    unlink_quietly,
-)
-from agent.sync.uploads import Item, Queued, Throttle, UploadQueue
+from agent.sync.snapshots import Snapshotter, has_content, note_disk, unlink_quietly
+from agent.sync.throttle import Throttle
+from agent.sync.uploads import Item, Queued, UploadQueue
 from agent.sync.verify import VerifyResult, log_result, verify_target
 from agent.trainer.rundir import SMALL_FILES, RunStatus, epoch_snapshots, is_epoch_file
 from agent.util.crashpoints import crashpoint
@@ -66,8 +64,6 @@ LEDGER_RETRY_S = 5.0
 #: ``status()`` reports the queue as stalled when no upload completed for this long while
 #: work was waiting, seconds.
 STALLED_AFTER_S = 120.0
-
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SyncEngine:
@@ -101,6 +97,9 @@ class SyncEngine:
         self.snapshots.follower = self.follower
         self._clock = clock
         self._throttle = Throttle(log_every_s)
+        commits = CommitWindow(state_dir / "sync-commits.json", sink.commits_per_hour, clock=clock)
+        #: Milestones deferred near the target's commit limit (``commits.py``).
+        self.cadence = Cadence(commits, sink.description)
         self.uploads = UploadQueue(
             sink,
             cfg,
@@ -111,6 +110,7 @@ class SyncEngine:
             clock=clock,
             ledger_retry_s=ledger_retry_s,
             stalled_after_s=stalled_after_s,
+            commits=commits,
         )
         # Snapshot work runs in threads: one batch at a time, so milestones stay in order.
         self._files = asyncio.Lock()
@@ -123,6 +123,8 @@ class SyncEngine:
         self.last_epoch_seen = 0
         self._total_epochs: int | None = None
         self._best_epoch_sent: int | None = None
+        #: A milestone's ``last.pt`` was deferred (commit limit): the next milestone sends it.
+        self._last_owed = False
         self._epoch_files_sent: set[int] = set()
         self.verify_result: VerifyResult | None = None
 
@@ -160,6 +162,14 @@ class SyncEngine:
 
     # ---------------------------------------------------------------- milestones
 
+    @contextlib.asynccontextmanager
+    async def _queueing(self) -> AsyncIterator[None]:
+        """One batch of snapshots at a time, with the upload worker held: what is queued inside
+        leaves as one commit (``uploads.py``)."""
+        async with self._files:
+            with self.uploads.hold():
+                yield
+
     def follow(self, run_dir: Path) -> None:
         """Copy this run's checkpoints while they are written (the first call starts it)."""
         if self.follower is not None:
@@ -173,19 +183,27 @@ class SyncEngine:
         return name == "last.pt" and self._milestone(self.last_epoch_seen + 1, self._total_epochs)
 
     def _milestone(self, n: int, total: int | None) -> bool:
-        """Whether epoch ``n`` of ``total`` sends ``last.pt``: every Nth, and the last."""
-        return n % self.cfg.every_epochs == 0 or (total is not None and n >= total)
+        """Whether epoch ``n`` of ``total`` sends ``last.pt``: every Nth, the last, and the one
+        after a deferred milestone that owed it."""
+        return (
+            self._last_owed or n % self.cfg.every_epochs == 0 or (total is not None and n >= total)
+        )
 
     async def on_epoch(
         self, run_dir: Path, status: RunStatus, *, extra_files: Iterable[Path] = ()
     ) -> int:
         """status.json moved on: snapshot what this epoch's milestone policy asks for and queue
-        it (the copying and hashing run in a thread). Returns how many items were queued."""
+        it (the copying and hashing run in a thread). Near the target's commit limit the
+        milestone may be deferred: nothing goes now, the next one carries it. Returns how many
+        items were queued."""
         n = status.completed_epochs
         if n <= self.last_epoch_seen:
             return 0
         self.last_epoch_seen = n
         self._total_epochs = status.total_epochs
+        if not self.cadence.allows(n):
+            self._last_owed = self._milestone(n, status.total_epochs)
+            return 0
         extra = list(extra_files)
         now = self._clock()
         recent = self._agent_files_at is not None and now - self._agent_files_at < (
@@ -195,13 +213,14 @@ class SyncEngine:
             extra = []  # logs that only grow: not every epoch (AGENT_FILES_EVERY_S)
         if extra:
             self._agent_files_at = now
-        async with self._files:
+        async with self._queueing():
             weights = run_dir / "weights"
             queued = 0
             if self._milestone(n, status.total_epochs):
                 outcome = await self._queue_file(
                     weights / "last.pt", "weights/last.pt", n, ItemKind.LAST
                 )
+                self._last_owed = outcome == "unavailable" and self._last_owed
                 queued += outcome == "queued"
             best = status.best_epoch
             if best is not None and best != self._best_epoch_sent:
@@ -220,7 +239,7 @@ class SyncEngine:
     async def save_now(self, run_dir: Path, epoch: int | None) -> int:
         """Queue ``last.pt`` (and ``best.pt``) at once, whatever the milestone policy says: a
         preemption notice or a stall leaves minutes, not another milestone."""
-        async with self._files:
+        async with self._queueing():
             queued = 0
             for name, kind in (("last.pt", ItemKind.LAST), ("best.pt", ItemKind.BEST)):
                 src = run_dir / "weights" / name
@@ -271,7 +290,7 @@ class SyncEngine:
         extra = list(extra_files)
         queued = 0
         n = status.completed_epochs if status else None
-        async with self._files:
+        async with self._queueing():
             if run_dir is not None:
                 # The trainer has exited: every epoch file on disk is final, seen or not (a
                 # restarted agent, epochs that went by between two reads of status.json, or a
@@ -381,7 +400,14 @@ class SyncEngine:
             return "unavailable"
         if snap is None:
             return "unavailable"
-        self._note_disk(snap, checkpoint=checkpoint)
+        self.disk_full = note_disk(
+            self.disk_full,
+            snap,
+            checkpoint=checkpoint,
+            now=self._clock,
+            root=self.snapshots.root,
+            warn=self._throttle.warning,
+        )
         if self._expected(remote_path) == (snap.sha256, snap.size):
             if not snap.live:
                 unlink_quietly(snap.path)
@@ -400,39 +426,6 @@ class SyncEngine:
         )
         return "queued"
 
-    def _note_disk(self, snap: Snapshot, *, checkpoint: bool) -> None:
-        """Say once that snapshots cannot be written, and once that they can again."""
-        err = snap.copy_error
-        if err is None:
-            # A small file still fits on a disk too full for a checkpoint: only a checkpoint
-            # copy says there is room again (else the warning comes back every epoch).
-            if self.disk_full is not None and checkpoint:
-                log.info(
-                    "snapshots work again (the disk had been full since %.0f)",
-                    self.disk_full["since"],
-                )
-                self.disk_full = None
-            return
-        if err.errno in _DISK_FULL:
-            if self.disk_full is None:
-                self.disk_full = {"since": self._clock(), "message": os_error(err)}
-                self._throttle.warning(
-                    "snapshots",
-                    "disk full",
-                    "disk full: cannot snapshot to %s (%s); uploading checkpoints straight "
-                    "from the run directory until there is room",
-                    self.snapshots.root,
-                    os_error(err),
-                )
-        else:
-            self._throttle.warning(
-                "snapshot",
-                os_error(err),
-                "snapshot of %s failed (%s): uploading the live file",
-                snap.path.name,
-                os_error(err),
-            )
-
     # ---------------------------------------------------------------- start-up and the end
 
     async def recover(self, run_dir: Path | None) -> int:
@@ -441,7 +434,7 @@ class SyncEngine:
         files nothing needs any more. An entry whose snapshot and source are both gone stays
         pending, is logged and listed in ``status()["sources_gone"]``; verification reports
         it. Returns how many items were queued."""
-        async with self._files:
+        async with self._queueing():
             done = await requeue_owed(
                 self.ledger,
                 self.uploads,
@@ -572,6 +565,7 @@ class SyncEngine:
             ),
             **self.uploads.status(),
             "disk_full": self.disk_full,
+            "cadence": self.cadence.status(),
             "ledger_error": self.ledger.save_error,
             "sources_gone": list(self.sources_gone),
             "verified": self.verify_result.to_dict() if self.verify_result else None,

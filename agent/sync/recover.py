@@ -81,6 +81,8 @@ async def requeue_owed(
             used.add(copy)
             item = Item(path, copy, entry.sha256, entry.size, entry.epoch, entry.kind)
             item.attempts = entry.attempts
+            # Its commit may have landed after the agent died: read back before sending.
+            item.check_first = True
             uploads.submit(item)
             result.queued += 1
             continue
@@ -90,6 +92,8 @@ async def requeue_owed(
             outcome = await queue_file(
                 src, path, entry.epoch, entry.kind, checkpoint=path.endswith(".pt")
             )
+            if outcome == "queued":
+                uploads.check_first(path)
         result.queued += outcome == "queued"
         if outcome == "unavailable":
             result.sources_gone.append((path, entry.epoch))

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from agent.sinks.digests import DIGESTS, copy_hashing, sha256_file
 from agent.trainer.rundir import is_valid_checkpoint
@@ -28,6 +29,8 @@ from agent.util.text import os_error
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
 log = logging.getLogger(__name__)
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 _SEQ = re.compile(r"(\d+)-(.+)")
 
@@ -204,3 +207,45 @@ def unlink_quietly(path: Path) -> bool:
         log.warning("cannot delete %s: %s", path, os_error(exc))
         return False
     return True
+
+
+def note_disk(
+    disk_full: dict[str, Any] | None,
+    snap: Snapshot,
+    *,
+    checkpoint: bool,
+    now: Callable[[], float],
+    root: Path,
+    warn: Callable[..., None],
+) -> dict[str, Any] | None:
+    """Say once that snapshots cannot be written, and once that they can again. Returns the
+    disk-full condition after ``snap`` (``{"since", "message"}``, or None); ``warn`` is the
+    engine's throttled warning (key, error, format, args)."""
+    err = snap.copy_error
+    if err is None:
+        # A small file still fits on a disk too full for a checkpoint: only a checkpoint copy
+        # says there is room again (else the warning comes back every epoch).
+        if disk_full is not None and checkpoint:
+            log.info("snapshots work again (the disk had been full since %.0f)", disk_full["since"])
+            return None
+        return disk_full
+    if err.errno in _DISK_FULL:
+        if disk_full is None:
+            disk_full = {"since": now(), "message": os_error(err)}
+            warn(
+                "snapshots",
+                "disk full",
+                "disk full: cannot snapshot to %s (%s); uploading checkpoints straight from the "
+                "run directory until there is room",
+                root,
+                os_error(err),
+            )
+        return disk_full
+    warn(
+        "snapshot",
+        os_error(err),
+        "snapshot of %s failed (%s): uploading the live file",
+        snap.path.name,
+        os_error(err),
+    )
+    return disk_full

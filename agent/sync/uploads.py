@@ -4,6 +4,15 @@ read-back of size and sha256 after every upload, recording each outcome in the l
 Queue rule: one pending item per remote path (a newer snapshot supersedes a queued older one) and
 never two uploads of the same path in flight, even after a timeout gave up waiting for a thread.
 
+Grouping rule: where each upload is a commit the target counts (the Hub,
+``sink.max_files_per_upload`` > 1), everything due goes in one ``upload_many`` - one commit - and
+only one such batch is in flight at a time; the engine holds the worker (:meth:`UploadQueue.hold`)
+while it queues a milestone, so the milestone's files leave together. Each file of a batch is
+still read back on its own and succeeds or fails on its own; a failed commit fails each of its
+files, and they are retried together (one delay for the batch). An item that failed, or that a
+restarted agent found owed, is first looked for on the target (``check_first``): a commit that
+landed while its answer was lost, or while the agent was dead, is verified, not made again.
+
 Failure rule: nothing that fails while recording (a ledger write hitting EMFILE or ENOSPC) drops
 an item: items are re-queued first, the ledger stays dirty in memory and is written again later.
 """
@@ -15,21 +24,20 @@ import concurrent.futures
 import contextlib
 import logging
 import random
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agent.config.model import SyncSection
 from agent.sinks import Sink, SinkError
+from agent.sync.batch import Outcome, Sent, failure_of, send_batch
+from agent.sync.commits import CommitWindow
 from agent.sync.ledger import ItemKind, Ledger
-from agent.sync.snapshots import live_snapshot, unlink_quietly
+from agent.sync.snapshots import unlink_quietly
+from agent.sync.throttle import Throttle
 from agent.util import backoff
-from agent.util.crashpoints import crashpoint
-from agent.util.logutil import RateLimiter
-from agent.util.text import os_error
 from agent.util.threads import in_daemon_thread
 
 # One logger for all of sync: its lines are grepped and asserted as ``agent.sync.engine``.
@@ -38,6 +46,12 @@ log = logging.getLogger(__name__)
 #: What became of one file offered to the queue: queued, already there (or on its way), or
 #: not to be had (missing, torn, not a valid zip).
 Queued = Literal["queued", "unchanged", "unavailable"]
+
+#: The longest ``Retry-After`` believed, seconds: the Hub's commit window (an hour).
+RETRY_AFTER_MAX_S = 3600.0
+#: A batch also takes what is due this soon after its own backoff, seconds (never what waits
+#: out the target's ``Retry-After``): two commits a second apart would cost one commit more.
+BATCH_SLACK_S = 5.0
 
 
 @dataclass
@@ -59,39 +73,23 @@ class Item:
     snapshot: bool = True
     #: The live file's mtime when it was hashed (``snapshot`` False only).
     mtime_ns: int | None = None
+    #: Read the target before sending: an earlier attempt (or a killed agent's) may have landed.
+    check_first: bool = False
+    #: Not before this (clock), whatever :meth:`UploadQueue.retry_now` says: the target's own
+    #: ``Retry-After``.
+    asked_until: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Flight:
-    """An upload whose thread has not ended yet."""
+    """A batch (one file, or one commit's files) whose thread has not ended yet."""
 
-    item: Item
-    future: concurrent.futures.Future[Any]
+    items: list[Item]
+    future: concurrent.futures.Future[list[Outcome]]
     started_at: float
 
-
-class Throttle:
-    """At most one log line per key per ``interval_s``: a target down for hours, retried every
-    few seconds, must not write megabytes of the same warning. Counts what it held back."""
-
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._limiter = RateLimiter(interval_s, clock=clock)
-
-    def allow(self, path: str, error: str) -> int | None:
-        """None: suppress this line; else log it, with this many similar lines held back."""
-        # Numbers and hashes differ between otherwise identical errors (sizes, request ids).
-        passed = self._limiter.admit((path, re.sub(r"[0-9a-f]*\d[0-9a-f.]*", "#", error)))
-        return None if passed is None else passed[0]
-
-    def warning(self, path: str, error: str, fmt: str, *args: Any) -> None:
-        """A warning, at most once per path and distinct error per ``interval_s``."""
-        suppressed = self.allow(path, error)
-        if suppressed is None:
-            return
-        if suppressed:
-            fmt += " (%d more like this not logged)"
-            args = (*args, suppressed)
-        log.warning(fmt, *args)
+    def item_of(self, remote_path: str) -> Item:
+        return next(i for i in self.items if i.remote_path == remote_path)
 
 
 class UploadQueue:
@@ -110,8 +108,16 @@ class UploadQueue:
         clock: Callable[[], float],
         ledger_retry_s: float,
         stalled_after_s: float,
+        commits: CommitWindow | None = None,
     ) -> None:
         self.sink = sink
+        #: The commits made to the target this hour (counted after each ``upload_many``).
+        self.commits = commits
+        #: Group what is due into one ``upload_many`` (one commit), one batch at a time.
+        self.batching = sink.max_files_per_upload > 1
+        #: :meth:`hold` depth: while above 0 a batching worker starts nothing (a milestone is
+        #: being queued and must leave as one commit).
+        self._held = 0
         self.cfg = cfg
         self.ledger = ledger
         self.max_parallel = max_parallel
@@ -148,8 +154,31 @@ class UploadQueue:
     @property
     def pending_bytes(self) -> int:
         """Bytes still owed: queued and in flight."""
-        items = [*self._pending.values(), *(f.item for f in self._in_flight.values())]
-        return sum(i.size for i in items)
+        return sum(i.size for i in self._owed())
+
+    def _owed(self) -> list[Item]:
+        """The items queued and in flight."""
+        flying = [f.item_of(path) for path, f in self._in_flight.items()]
+        return [*self._pending.values(), *flying]
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """While inside, a batching worker starts no upload: what is queued meanwhile leaves
+        together (one commit per milestone)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self._wake.set()
+
+    def check_first(self, remote_path: str) -> None:
+        """Look for the queued ``remote_path`` on the target before sending it (a killed agent's
+        commit may have landed)."""
+        item = self._pending.get(remote_path)
+        if item is not None:
+            item.check_first = True
 
     # ---------------------------------------------------------------- what is owed
 
@@ -165,6 +194,7 @@ class UploadQueue:
             self._discard(old)
             # Keep the backoff of a failing path: a new version is no reason to hammer the target.
             item.attempts, item.not_before = old.attempts, old.not_before
+            item.asked_until, item.check_first = old.asked_until, old.check_first
         self._pending[item.remote_path] = item
         self._idle.clear()
         self._wake.set()
@@ -182,13 +212,13 @@ class UploadQueue:
             return pending.sha256, pending.size
         flight = self._in_flight.get(remote_path)
         if flight is not None:
-            return flight.item.sha256, flight.item.size
+            item = flight.item_of(remote_path)
+            return item.sha256, item.size
         return None
 
     def snapshot_files(self) -> set[Path]:
         """The snapshot files of the uploads still owed (queued or in flight)."""
-        items = [*self._pending.values(), *(f.item for f in self._in_flight.values())]
-        return {i.local for i in items if i.snapshot}
+        return {i.local for i in self._owed() if i.snapshot}
 
     @property
     def queue(self) -> list[dict[str, Any]]:
@@ -211,10 +241,12 @@ class UploadQueue:
             "in_flight": [
                 {
                     "path": path,
-                    "epoch": f.item.epoch,
-                    "attempt": f.item.attempts,
+                    "epoch": f.item_of(path).epoch,
+                    "attempt": f.item_of(path).attempts,
                     "started_at": f.started_at,
                     "seconds": round(now - f.started_at, 1),
+                    # Files going up in the same commit (1 where each file goes alone).
+                    "batch": len(f.items),
                 }
                 for path, f in sorted(self._in_flight.items())
             ],
@@ -239,20 +271,7 @@ class UploadQueue:
             if self.ledger.dirty and time.monotonic() >= self._ledger_retry_at:
                 self.ledger.persist()
                 self._ledger_retry_at = time.monotonic() + self.ledger_retry_s
-            now = self._clock()
-            next_due: float | None = None
-            for path, item in list(self._pending.items()):
-                if path in self._in_flight:
-                    continue
-                if len(self._in_flight) >= self.max_parallel:
-                    break
-                if item.not_before > now:
-                    next_due = (
-                        item.not_before if next_due is None else min(next_due, item.not_before)
-                    )
-                    continue
-                del self._pending[path]
-                self._start(item)
+            next_due = self._start_due()
             if not self._pending and not self._in_flight:
                 self._idle.set()
             timeout = None if next_due is None else max(0.0, next_due - self._clock())
@@ -262,44 +281,97 @@ class UploadQueue:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _start(self, item: Item) -> None:
-        item.attempts += 1
+    def _start_due(self) -> float | None:
+        """Start what is due, as the sink takes it: one file per upload, up to ``max_parallel``
+        at once; or (batching) everything due in one batch, when none is in flight and the
+        engine does not hold the worker. Returns when the next waiting item is due (None: no
+        need to wake before something changes)."""
+        if self.batching:
+            if self._held or self._in_flight:
+                return None  # the flight's end (or the hold's) wakes the worker
+            batch, first_due = self._due(
+                self._clock(), self.sink.max_files_per_upload, slack_s=BATCH_SLACK_S
+            )
+            if batch:
+                self._start(batch)
+            return first_due
+        next_due: float | None = None
+        flights = len(self._in_flight)
+        while flights < self.max_parallel:
+            batch, due = self._due(self._clock(), 1)
+            if due is not None:
+                next_due = due if next_due is None else min(next_due, due)
+            if not batch:
+                break
+            self._start(batch)
+            flights += 1
+        return next_due
+
+    def _due(
+        self, now: float, most: int, *, slack_s: float = 0.0
+    ) -> tuple[list[Item], float | None]:
+        """Up to ``most`` pending items not in flight and not waiting out a backoff (taken off
+        the queue), and when the first waiting one is due. Once one item is due, the batch also
+        takes those due within ``slack_s`` whose target did not ask them to wait longer."""
+        waiting = [(p, i) for p, i in self._pending.items() if p not in self._in_flight]
+        any_due = any(i.not_before <= now for _, i in waiting)
+        batch: list[Item] = []
+        next_due: float | None = None
+        for path, item in waiting:
+            early = any_due and item.not_before <= now + slack_s and item.asked_until <= now
+            if item.not_before > now and not early:
+                next_due = item.not_before if next_due is None else min(next_due, item.not_before)
+                continue
+            if len(batch) < most:
+                del self._pending[path]
+                batch.append(item)
+        return batch, next_due
+
+    def _start(self, batch: list[Item]) -> None:
+        for item in batch:
+            item.attempts += 1
+        name = batch[0].remote_path + (f" +{len(batch) - 1}" if len(batch) > 1 else "")
         # A daemon thread: one upload hung on a dead target must not keep the finished agent
         # (and the box's bill) alive; the ledger is persisted, abandoning it loses nothing.
-        fut = in_daemon_thread(
-            self._upload_and_verify, item, name=f"sync-upload:{item.remote_path}"
-        )
-        flight = _Flight(item, fut, self._clock())
-        self._in_flight[item.remote_path] = flight
-        task = asyncio.create_task(self._watch(flight), name=f"upload:{item.remote_path}")
+        fut = in_daemon_thread(self._send, batch, name=f"sync-upload:{name}")
+        flight = _Flight(batch, fut, self._clock())
+        for item in batch:
+            self._in_flight[item.remote_path] = flight
+        task = asyncio.create_task(self._watch(flight), name=f"upload:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _watch(self, flight: _Flight) -> None:
-        item, fut = flight.item, flight.future
+        items, fut = flight.items, flight.future
+        # Each checkpoint of a batch gets the time one upload may take.
+        timeout = self.cfg.upload_timeout_s * max(
+            1, sum(i.remote_path.endswith(".pt") for i in items)
+        )
         try:
-            sha256, size = await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(fut)), self.cfg.upload_timeout_s
-            )
+            outcomes = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
         except TimeoutError:
-            self._failed(item, f"timed out after {self.cfg.upload_timeout_s:.0f}s")
-            # The thread may still be sending: the path stays in flight until it really ends.
+            self._failed_batch(items, f"timed out after {timeout:.0f}s")
+            # The thread may still be sending: the paths stay in flight until it really ends.
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(fut)
-        except SinkError as exc:
-            self._failed(item, str(exc), retryable=exc.retryable, retry_after_s=exc.retry_after_s)
-        except OSError as exc:  # a sink that lets EMFILE/ENOSPC through: retried like any other
-            self._failed(item, os_error(exc))
-        except Exception as exc:  # a sink bug must not kill the queue
-            error = f"{type(exc).__name__}: {exc}"
-            if self._throttle.allow(f"crash:{item.remote_path}", error) is not None:
-                log.exception("upload of %s crashed", item.remote_path)
-            self._failed(item, error)
+        except Exception as exc:  # the batch as a whole (preparing the target)
+            self._failed_batch(items, exc)
         else:
-            self._succeeded(item, sha256, size)
-            self._note_speed(size, self._clock() - flight.started_at)
+            sent = 0
+            # One error failed these together (a refused commit): retried together.
+            failed: dict[int, tuple[BaseException, list[Item]]] = {}
+            for item, outcome in zip(items, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failed.setdefault(id(outcome), (outcome, []))[1].append(item)
+                else:
+                    self._succeeded(item, outcome)
+                    sent += outcome.size if outcome.sent else 0
+            for error, group in failed.values():
+                self._failed_batch(group, error)
+            self._note_speed(sent, self._clock() - flight.started_at)
         finally:
-            self._in_flight.pop(item.remote_path, None)
+            for item in items:
+                self._in_flight.pop(item.remote_path, None)
             self._wake.set()
 
     def _note_speed(self, size: int, seconds: float) -> None:
@@ -319,22 +391,28 @@ class UploadQueue:
             except Exception:  # an observer must never cost an upload
                 log.exception("upload observer failed")
 
-    def _succeeded(self, item: Item, sha256: str, size: int) -> None:
+    def _succeeded(self, item: Item, sent: Sent) -> None:
         self.uploads_done += 1
-        self.uploaded_bytes += size
+        self.uploaded_bytes += sent.size if sent.sent else 0
         now = self._clock()
         self.last_success_at = now
         # A live file (no snapshot) may have been re-hashed before this attempt: the ledger
         # records what really went up.
         recorded = item.sha256
-        item.sha256, item.size = sha256, size
+        item.sha256, item.size = sent.sha256, sent.size
         self.ledger.mark_verified(
-            item.remote_path, recorded, sha256=sha256, size=size, at=now, attempts=item.attempts
+            item.remote_path,
+            recorded,
+            sha256=sent.sha256,
+            size=sent.size,
+            at=now,
+            attempts=item.attempts,
         )
         if item.epoch is not None and item.kind in (ItemKind.LAST, ItemKind.EPOCH):
             self.last_synced_epoch = max(self.last_synced_epoch or 0, item.epoch)
         log.info(
-            "uploaded+verified %s epoch=%s size=%d sha256=%s attempt=%d%s",
+            "%s %s epoch=%s size=%d sha256=%s attempt=%d%s",
+            "uploaded+verified" if sent.sent else "verified, already on the target:",
             item.remote_path,
             item.epoch,
             item.size,
@@ -346,33 +424,56 @@ class UploadQueue:
         # The ledger keeps the hash; the snapshot is no longer needed unless superseded later.
         self._discard(item)
 
-    def _upload_and_verify(self, item: Item) -> tuple[str, int]:
-        """Runs in a worker thread: one attempt, then read back size and sha256. Returns the
-        (sha256, size) that went up."""
+    def _send(self, items: list[Item]) -> list[Outcome]:
+        """Runs in a worker thread: prepare the target once, then :func:`send_batch`."""
         if not self._prepared:
             self.sink.prepare()
             self._prepared = True
-        sha256, size = item.sha256, item.size
-        if not item.snapshot:
-            # No snapshot: the live file may have moved on since it was hashed (a retry after
-            # a read-back mismatch): hash what is there now.
-            st = item.local.stat()
-            if item.attempts > 1 or (st.st_size, st.st_mtime_ns) != (item.size, item.mtime_ns):
-                fresh = live_snapshot(item.local, checkpoint=item.remote_path.endswith(".pt"))
-                if fresh is None:
-                    raise SinkError(f"{item.local} is being rewritten; trying again later")
-                sha256, size = fresh.sha256, fresh.size
-        self.sink.upload(item.local, item.remote_path)
-        crashpoint("upload-sent")
-        remote = self.sink.stat(item.remote_path)
-        if remote is None:
-            raise SinkError(f"{item.remote_path} was accepted but is not on the target")
-        if remote.sha256 != sha256 or remote.size != size:
-            raise SinkError(
-                f"{item.remote_path} read back as size={remote.size} sha256={remote.sha256[:12]}, "
-                f"expected size={size} sha256={sha256[:12]}"
+        return send_batch(self.sink, items, commits=self.commits)
+
+    def _failed_batch(self, items: list[Item], error: str | BaseException) -> None:
+        """``items`` failed together: each is re-queued and recorded, all with one delay (so
+        that they are retried together, one commit again)."""
+        text, retryable, retry_after_s = failure_of(error)
+        # A sink bug must not kill the queue, but it must be seen.
+        if (
+            isinstance(error, BaseException)
+            and not isinstance(error, SinkError | OSError)
+            and self._throttle.allow(f"crash:{items[0].remote_path}", text) is not None
+        ):
+            log.error("upload of %s crashed", items[0].remote_path, exc_info=error)
+        attempts = max(i.attempts for i in items)
+        delay = self._delay(attempts, retryable=retryable, retry_after_s=retry_after_s)
+        now = self._clock()
+        alone = len(items) == 1
+        for item in items:
+            self._failed(
+                item,
+                text,
+                retryable=retryable,
+                retry_after_s=retry_after_s,
+                delay=delay,
+                now=now,
+                say=alone,
             )
-        return sha256, size
+        if not alone:
+            # One line for the batch (its error names the files), not one per file.
+            self._throttle.warning(
+                "batch",
+                text,
+                "upload of %d files together failed (attempt %d): %s; retry in %.1fs",
+                len(items),
+                attempts,
+                text,
+                delay,
+            )
+
+    def _delay(self, attempts: int, *, retryable: bool, retry_after_s: float | None) -> float:
+        """Seconds before the next attempt: backoff, the longest one when waiting cannot help
+        (a person may fix a token: retried slowly, never given up), never sooner than the
+        target asked (HTTP 429 ``Retry-After``: retrying sooner only earns another 429)."""
+        delay = self.backoff(attempts) if retryable else self.cfg.max_backoff_s
+        return backoff.honouring_s(delay, retry_after_s, max_s=RETRY_AFTER_MAX_S)
 
     def _failed(
         self,
@@ -381,19 +482,23 @@ class UploadQueue:
         *,
         retryable: bool = True,
         retry_after_s: float | None = None,
+        delay: float | None = None,
+        now: float | None = None,
+        say: bool = True,
     ) -> None:
         self.uploads_failed += 1
         self._tell(item, ok=False, error=error)
-        delay = self.backoff(item.attempts)
-        if not retryable:
-            # Waiting cannot fix a bad token, but a person can; retry slowly, never give up.
-            delay = self.cfg.max_backoff_s
-        elif retry_after_s is not None:
-            # The target said when to come back (HTTP 429 Retry-After): not sooner.
-            delay = max(delay, min(retry_after_s, self.cfg.max_backoff_s))
-        now = self._clock()
+        if delay is None:
+            delay = self._delay(item.attempts, retryable=retryable, retry_after_s=retry_after_s)
+        now = self._clock() if now is None else now
         item.last_error = error
         item.not_before = now + delay
+        if retry_after_s is not None:
+            item.asked_until = now + min(retry_after_s, RETRY_AFTER_MAX_S)
+            if self.commits is not None:
+                self.commits.asked_to_wait(item.asked_until)
+        # The attempt may have landed (an answer lost after the commit): look before resending.
+        item.check_first = True
         # Re-queue first: nothing below (the ledger write above all) may lose the item.
         newer = self._pending.get(item.remote_path)
         if newer is None:
@@ -402,6 +507,7 @@ class UploadQueue:
             # A newer snapshot arrived while this one was failing: it wins.
             self._discard(item)
             newer.attempts, newer.not_before = item.attempts, item.not_before
+            newer.asked_until = item.asked_until
         self.last_error = {"path": item.remote_path, "error": error, "at": now}
         self.failures.append(
             {
@@ -413,15 +519,16 @@ class UploadQueue:
             }
         )
         del self.failures[:-20]
-        self._throttle.warning(
-            item.remote_path,
-            error,
-            "upload of %s failed (attempt %d): %s; retry in %.1fs",
-            item.remote_path,
-            item.attempts,
-            error,
-            delay,
-        )
+        if say:
+            self._throttle.warning(
+                item.remote_path,
+                error,
+                "upload of %s failed (attempt %d): %s; retry in %.1fs",
+                item.remote_path,
+                item.attempts,
+                error,
+                delay,
+            )
         self.ledger.note_attempt(item.remote_path, item.sha256, attempts=item.attempts, error=error)
 
     def _discard(self, item: Item) -> None:
@@ -447,7 +554,8 @@ class UploadQueue:
     def retry_now(self) -> None:
         """Forget backoff (the final sync should not wait out a long pause)."""
         for item in self._pending.values():
-            item.not_before = 0.0
+            # The target's own Retry-After stands: sooner only earns another 429.
+            item.not_before = item.asked_until
         self._wake.set()
 
     async def close(self) -> None:

@@ -47,3 +47,12 @@ def retry_after_s(headers: Mapping[str, str]) -> float | None:
     with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     return None
+
+
+def honouring_s(delay_s: float, retry_after_s: float | None, *, max_s: float) -> float:
+    """The wait before a retry: this client's own ``delay_s``, but never sooner than the server
+    asked (``Retry-After``, :func:`retry_after_s`). A server's word is believed up to ``max_s``
+    (a clock gone wrong must not park a retry for days)."""
+    if retry_after_s is None:
+        return delay_s
+    return max(delay_s, min(retry_after_s, max_s))

@@ -19,9 +19,17 @@ The client is synchronous, so the server runs in a background thread with its ow
         hub.fail("commit", 503, times=2)                        # fault knobs, see below
 
 ``run_fake_hub(tokens=, read_tokens=, user="fake-user", lfs_threshold=10 MiB,
-tree_page_size=1000, lfs_uploads=True, lfs_chunk_size=16 MiB)``: ``tokens`` may write (and
-read), ``read_tokens`` may only read; ``user`` is the namespace of repos created without an
-organization and what ``whoami`` answers.
+tree_page_size=1000, lfs_uploads=True, lfs_chunk_size=16 MiB, commit_limit=None,
+commit_window_s=3600)``: ``tokens`` may write (and read), ``read_tokens`` may only read; ``user``
+is the namespace of repos created without an organization and what ``whoami`` answers.
+
+Commit limit (``commit_limit``, or ``limit_commits(limit, window_s=, as_date=)`` while it runs):
+as the Hub's per-repo hourly quota, at most ``commit_limit`` commits (HTTP ``commit`` route,
+deletions included; ``add_file`` is not counted) per repo per ``commit_window_s``; the next one
+is refused with 429 ``You have exceeded our hourly quotas for action: commit. We invite you to
+retry later.`` and ``Retry-After`` = seconds until the oldest commit of the window ages out (an
+HTTP date with ``as_date=True``). The client never retries a commit: ``create_commit`` raises
+``HfHubHTTPError`` (status 429). ``commits_refused[(kind, repo_id)]`` counts the refusals.
 
 Tests must set ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1`` and ``NO_PROXY=127.0.0.1``
 (``tests/conftest.py`` does).
@@ -99,7 +107,8 @@ or ``"*"``; ``method`` narrows it (e.g. ``"HEAD"`` of resolve):
         from the whole 10 MB chunks it kept, if any)
     ``lose(mode="drop"|"corrupt", times=1, path=None)``  a commit answers success but the file is
         not stored ("drop": the commit exists, the file does not change) or is stored with one
-        byte flipped ("corrupt": same size, different content)
+        byte flipped ("corrupt": same size, different content); faults naming different
+        paths all apply to a commit that carries them
     ``clear_faults()``
 """
 
@@ -112,6 +121,7 @@ import contextlib
 import fnmatch
 import hashlib
 import json
+import math
 import re
 import threading
 import time
@@ -119,6 +129,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from email.utils import formatdate
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -151,6 +162,8 @@ DEFAULT_TREE_PAGE_SIZE = 1000
 #: Objects larger than this go up in parts (the Hub's multipart LFS transfer); smaller ones in
 #: one PUT ("basic").
 DEFAULT_LFS_CHUNK_SIZE = 16 * 1024 * 1024
+#: The window the Hub counts commits over (``commit_limit`` per repo per window), seconds.
+COMMIT_WINDOW_S = 3600.0
 #: Commits carry whole files as base64 in one NDJSON body: allow big ones.
 CLIENT_MAX_SIZE = 2 * 1024**3
 
@@ -334,7 +347,18 @@ class FakeHub:
         tree_page_size: int = DEFAULT_TREE_PAGE_SIZE,
         lfs_uploads: bool = True,
         lfs_chunk_size: int = DEFAULT_LFS_CHUNK_SIZE,
+        commit_limit: int | None = None,
+        commit_window_s: float = COMMIT_WINDOW_S,
     ) -> None:
+        #: Commits per repo per ``commit_window_s`` (None: no limit); see :meth:`limit_commits`.
+        self.commit_limit = commit_limit
+        self.commit_window_s = commit_window_s
+        #: ``Retry-After`` of a refused commit as an HTTP date instead of seconds.
+        self.retry_after_as_date = False
+        #: When each repo's commits over HTTP were made (``time.monotonic()``), for the limit.
+        self._commit_times: dict[tuple[str, str], list[float]] = {}
+        #: Commits refused for the limit (429), per repo.
+        self.commits_refused: dict[tuple[str, str], int] = {}
         self.lfs_uploads = lfs_uploads
         self.lfs_chunk_size = lfs_chunk_size
         #: LFS objects uploaded (and verified) per repo: ``{(kind, repo_id): {sha256: bytes}}``.
@@ -486,6 +510,41 @@ class FakeHub:
         with self._lock:
             self._faults.clear()
 
+    def limit_commits(
+        self, limit: int | None, *, window_s: float = COMMIT_WINDOW_S, as_date: bool = False
+    ) -> None:
+        """At most ``limit`` commits per repo per ``window_s`` from now on (None: no limit), the
+        rest refused with 429 and ``Retry-After`` (seconds, or an HTTP date with ``as_date``)."""
+        with self._lock:
+            self.commit_limit = limit
+            self.commit_window_s = window_s
+            self.retry_after_as_date = as_date
+
+    def _check_commit_quota(self, repo: _Repo) -> None:
+        """Refuse a commit past the limit as the Hub does (call with the lock held)."""
+        if self.commit_limit is None:
+            return
+        key = (repo.kind, repo.repo_id)
+        now = time.monotonic()
+        times = [t for t in self._commit_times.get(key, []) if t > now - self.commit_window_s]
+        self._commit_times[key] = times
+        if len(times) < self.commit_limit:
+            times.append(now)
+            return
+        self.commits_refused[key] = self.commits_refused.get(key, 0) + 1
+        left_s = times[0] + self.commit_window_s - now
+        wait_s = max(1, math.ceil(left_s))
+        if self.retry_after_as_date:
+            # Whole seconds, rounded up: never a moment before the window has room.
+            retry_after = formatdate(math.ceil(time.time() + left_s), usegmt=True)
+        else:
+            retry_after = str(wait_s)
+        raise _HubError(
+            429,
+            "You have exceeded our hourly quotas for action: commit. We invite you to retry later.",
+            headers={"Retry-After": retry_after},
+        )
+
     def _add_fault(self, fault: Fault) -> Fault:
         if fault.route != "*" and fault.route not in ROUTES:
             raise ValueError(f"unknown route {fault.route!r} (expected one of {sorted(ROUTES)})")
@@ -503,18 +562,24 @@ class FakeHub:
                     return f
         return None
 
-    def _take_lose(self, paths: Iterable[str]) -> Fault | None:
+    def _take_lose(self, paths: Iterable[str]) -> dict[str, Fault]:
+        """The ``lose`` faults this commit applies, by path: each fault naming a path of the
+        commit (several in one commit, one per path), else the first without a path for all."""
         paths = set(paths)
+        out: dict[str, Fault] = {}
         with self._lock:
             for f in self._faults:
-                if (
-                    f.action == "lose"
-                    and f.matches("commit", "POST")
-                    and (f.path is None or f.path in paths)
-                ):
+                if f.action != "lose" or not f.matches("commit", "POST"):
+                    continue
+                if f.path is not None and f.path in paths and f.path not in out:
                     f.hits += 1
-                    return f
-        return None
+                    out[f.path] = f
+            if not out:
+                for f in self._faults:
+                    if f.action == "lose" and f.path is None and f.matches("commit", "POST"):
+                        f.hits += 1
+                        return dict.fromkeys(paths, f)
+        return out
 
     # ---- internals on state (call with the lock held) ------------------------------------------
 
@@ -552,7 +617,7 @@ class FakeHub:
         added: Mapping[str, bytes],
         deleted: Iterable[str],
         *,
-        lost: Fault | None = None,
+        lost: Mapping[str, Fault] | None = None,
     ) -> _Commit:
         parent = repo.refs.get(branch)
         files = dict(repo.commits[parent].files) if parent else {}
@@ -564,8 +629,9 @@ class FakeHub:
             else:
                 files.pop(d, None)
         for path, data in added.items():
-            if lost is not None and (lost.path is None or lost.path == path):
-                if lost.mode == "drop":
+            fault = (lost or {}).get(path)
+            if fault is not None:
+                if fault.mode == "drop":
                     continue
                 if data:
                     i = len(data) // 2
@@ -995,6 +1061,7 @@ class FakeHub:
                     raise _HubError(
                         404, f"A file with this name doesn't exist: {d}", code="EntryNotFound"
                     )
+            self._check_commit_quota(repo)
             lost = self._take_lose(added)
             commit = self._commit(repo, rev, summary, added, deleted, lost=lost)
         return web.json_response(
@@ -1414,6 +1481,8 @@ def run_fake_hub(
     tree_page_size: int = DEFAULT_TREE_PAGE_SIZE,
     lfs_uploads: bool = True,
     lfs_chunk_size: int = DEFAULT_LFS_CHUNK_SIZE,
+    commit_limit: int | None = None,
+    commit_window_s: float = COMMIT_WINDOW_S,
 ) -> Iterator[FakeHub]:
     """Serve a :class:`FakeHub` on ``127.0.0.1`` (a free port) for the ``with`` block.
 
@@ -1427,6 +1496,8 @@ def run_fake_hub(
         tree_page_size=tree_page_size,
         lfs_uploads=lfs_uploads,
         lfs_chunk_size=lfs_chunk_size,
+        commit_limit=commit_limit,
+        commit_window_s=commit_window_s,
     )
     server = _ServerThread(hub)
     server.start()
