@@ -453,9 +453,15 @@ def test_an_xid_seen_by_the_host_stops_the_run_as_a_box_fault(box: Box, tmp_path
     assert sum("ERROR agent.daemon.training: GPU fault: GPU 0" in line for line in lines) == 1
 
 
-def test_gpu_memory_reaches_history_and_metrics_from_the_host(box: Box, tmp_path: Path) -> None:
-    """The C library's figures, through the host, the monitor and the stall watch's samples,
-    into the real server's /history (per epoch, summed over the GPUs) and /metrics (per GPU)."""
+@pytest.mark.parametrize(
+    "limits", ['stall_timeout = "10m"', ""], ids=["stall-watch", "no-stall-limit"]
+)
+def test_gpu_memory_reaches_history_and_metrics_from_the_host(
+    box: Box, tmp_path: Path, limits: str
+) -> None:
+    """The C library's figures, through the host, the monitor and the progress watch's samples,
+    into the real server's /history (per epoch, summed over the GPUs) and /metrics (per GPU),
+    with a stall limit or without one (the default job has none: the watch still samples)."""
     box.set(mem_total=150_754_820_096, mem_used=30_000_000_000)
     seen: dict[str, Any] = {}
 
@@ -484,8 +490,7 @@ def test_gpu_memory_reaches_history_and_metrics_from_the_host(box: Box, tmp_path
             seen["history"] = rows
             seen["metrics"] = await get("/metrics")
 
-    # The figures are the stall watch's samples: it runs with a stall limit.
-    _run_daemon(tmp_path, GpuMonitor(), read_then_end, epochs=1000, limits='stall_timeout = "10m"')
+    _run_daemon(tmp_path, GpuMonitor(), read_then_end, epochs=1000, limits=limits)
     with_memory = [r for r in seen["history"] if "gpu/memory_used_bytes" in r]
     assert with_memory, seen["history"][-1]
     row = with_memory[-1]

@@ -157,11 +157,9 @@ class Daemon:
             stage_hook=stage_hook,
             start_guard=start_guard,
             gpu=gpu,
-            progress=(
-                ProgressTracker(job.limits, clock=clock, gpu=gpu)
-                if job.limits.stall_timeout_s is not None
-                else None
-            ),
+            # Always: its observations are also the per-epoch GPU figures of /history and the
+            # page; without limits.stall_timeout it never calls a stall.
+            progress=ProgressTracker(job.limits, clock=clock, gpu=gpu),
             # Webhook notices ([notify]), or None (agent/status/notify.py).
             notifier=(
                 Notifier(
