@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from agent.config.jobfile import parse_job
 from agent.config.model import Job
+from agent.guard.plan import guard_pid
 
 #: tests/fakes/pause_trainer: a ``sitecustomize`` that makes a real trainer stop itself after
 #: an epoch (its docstring says how and why).
@@ -123,6 +126,17 @@ def pause_after_epoch(monkeypatch: pytest.MonkeyPatch, epoch: int) -> None:
         "PYTHONPATH", os.pathsep.join(p for p in (str(PAUSE_TRAINER_DIR), path) if p)
     )
     monkeypatch.setenv(PAUSE_ENV, str(epoch))
+
+
+def end_guard(state_dir: Path) -> None:
+    """End the guard an agent run as a process started for ``state_dir``: it outlives the
+    agent by design, and leaves by itself only at its next look (a test's finalizer ends it
+    rather than leave it to the leftover check, which would warn)."""
+    with contextlib.suppress(OSError):
+        pid = guard_pid(state_dir)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def is_stopped(pid: int) -> bool:

@@ -29,7 +29,15 @@ from agent.daemon.spine import Daemon
 from agent.policy.restart import MAX_CRASHES
 from agent.sinks.digests import sha256_file
 from agent.state import Phase, Reason, RunState, StateStore
-from tests.support import HANG_S, PAUSE_ENV, is_stopped, pause_after_epoch, tiny_job, wait_for
+from tests.support import (
+    HANG_S,
+    PAUSE_ENV,
+    end_guard,
+    is_stopped,
+    pause_after_epoch,
+    tiny_job,
+    wait_for,
+)
 from tests.test_daemon import (
     Probe,
     dataset,
@@ -307,12 +315,13 @@ def test_a_new_box_with_the_same_target_resumes_from_the_remote_last_pt(
 @pytest.mark.training
 @requires_libreyolo
 def test_agent_killed_right_after_launch_never_starts_a_second_trainer(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, request: pytest.FixtureRequest
 ) -> None:
     # Seen: TRAINING was saved before the launch and the pid only after it; an agent killed in
     # between launched again: two trainers (run1 and run12), one unsupervised.
     job = job_toml(tmp_path, dataset, epochs=6)
     state_dir = tmp_path / "state"
+    request.addfinalizer(lambda: end_guard(state_dir))
     first = run_agent(job, state_dir, LIBREYOLO_AGENT_CRASHPOINT="after-launch")
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     state = StateStore(state_dir).load()
@@ -335,10 +344,11 @@ def test_agent_killed_right_after_launch_never_starts_a_second_trainer(
 @pytest.mark.training
 @requires_libreyolo
 def test_agent_killed_while_sending_teardown_resumes_it_with_the_same_decision(
-    tmp_path: Path, dataset: Path
+    tmp_path: Path, dataset: Path, request: pytest.FixtureRequest
 ) -> None:
     job = job_toml(tmp_path, dataset, epochs=2)
     state_dir = tmp_path / "state"
+    request.addfinalizer(lambda: end_guard(state_dir))
     first = run_agent(job, state_dir, LIBREYOLO_AGENT_CRASHPOINT="teardown-sending")
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     state = StateStore(state_dir).load()

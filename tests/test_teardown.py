@@ -8,7 +8,6 @@ API on 127.0.0.1 (tests/fakes/providers.py), which records every request it gets
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -21,11 +20,10 @@ import pytest
 from agent.config.model import Env, TeardownSection
 from agent.daemon.spine import Daemon
 from agent.events import Event
-from agent.guard.plan import guard_pid
 from agent.policy.teardown import decide
 from agent.state import Phase, Reason, StateStore
 from tests.fakes.providers import FakeVast, run_fake_vast
-from tests.support import HANG_S, tiny_job
+from tests.support import HANG_S, end_guard, tiny_job
 from tests.test_daemon import dataset, requires_libreyolo
 
 __all__ = ["dataset"]
@@ -131,15 +129,6 @@ def test_an_unverifiable_sync_never_sends_a_destroy_and_stops_the_box(
         for path in env.state_dir.rglob("*"):
             if path.is_file():
                 assert KEY not in path.read_text(errors="replace"), path
-
-
-def end_guard(state_dir: Path) -> None:
-    """End the guard the agent started for ``state_dir`` (it outlives the agent by design)."""
-    with contextlib.suppress(OSError):
-        pid = guard_pid(state_dir)
-        if pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.training
