@@ -557,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.data import pushcli
 
     pushcli.add_parser(sub, formatter=HelpFormatter, err=err)  # dataset push
+    from agent.sync import verifycli
+
+    verifycli.add_parser(sub, formatter=HelpFormatter, err=err)  # the restore drill
 
     add_cost_parser(sub)
     return p

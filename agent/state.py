@@ -165,6 +165,10 @@ class TeardownRecord(TypedDict, total=False):
     rescue: dict[str, Any]
     last_error: str
     notified_open_at: float
+    #: The restore drill before the decision (:meth:`agent.sync.restore.RestoreDrill.to_dict`).
+    restore_drill: dict[str, Any]
+    #: ``on_success = "auto"``: its figures and arithmetic (agent/policy/autoteardown.py).
+    auto: dict[str, Any]
 
 
 class LaunchIntent(TypedDict):

@@ -18,7 +18,7 @@ import os
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, cast, get_args
 from urllib.parse import urlsplit
 
 from agent.config.jobvalues import (
@@ -52,6 +52,7 @@ from agent.config.model import (
     ProfileSection,
     ProviderName,
     ServerSection,
+    SuccessAction,
     SyncSection,
     TeardownAction,
     TeardownSection,
@@ -74,6 +75,7 @@ _NO_STOP = {
     "destroy (gated: an unverified sync keeps the box) or keep",
 }
 _ACTIONS: tuple[TeardownAction, ...] = get_args(TeardownAction)
+_SUCCESS_ACTIONS: tuple[SuccessAction, ...] = get_args(SuccessAction)
 _SECTIONS = (
     "job",
     "train",
@@ -506,12 +508,15 @@ def _load_teardown(t: Table) -> TeardownSection:
         t.bad("command_timeout", f"is only used by provider 'command' (provider is {name!r})")
     teardown = TeardownSection(
         provider=name,
-        on_success=as_action(t.choice("on_success", d.on_success, _ACTIONS)),
+        on_success=cast(SuccessAction, t.choice("on_success", d.on_success, _SUCCESS_ACTIONS)),
         on_failure=as_action(t.choice("on_failure", d.on_failure, _ACTIONS)),
         on_preflight_failure=as_action(
             t.choice("on_preflight_failure", d.on_preflight_failure, _ACTIONS)
         ),
         require_verified_sync=t.bool_("require_verified_sync", d.require_verified_sync),
+        require_restore_drill=t.bool_("require_restore_drill", d.require_restore_drill),
+        restore_drill_timeout_s=t.duration("restore_drill_timeout", d.restore_drill_timeout_s),
+        expected_gap_s=t.duration("expected_gap", None, allow_zero=True),
         api_url=api_url,
         instance_id=instance_id,
         command=command if name == "command" else (),
@@ -520,6 +525,13 @@ def _load_teardown(t: Table) -> TeardownSection:
         hold_timeout_s=t.duration("hold_timeout", d.hold_timeout_s, maximum=MAX_STEERING_S),
     )
     t.finish()
+    if teardown.on_success == "auto" and teardown.expected_gap_s is None:
+        if not t.errors.named(t.key("expected_gap")):
+            t.bad("expected_gap", 'is required with on_success = "auto" (e.g. "8h")')
+    elif teardown.expected_gap_s is not None and teardown.on_success != "auto":
+        t.bad(
+            "expected_gap", f'is only used by on_success = "auto" (it is {teardown.on_success!r})'
+        )
     if not teardown.can_stop:
         for key in ("on_success", "on_failure", "on_preflight_failure"):
             if getattr(teardown, key) == "stop" and not t.errors.named(t.key(key)):

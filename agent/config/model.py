@@ -34,6 +34,9 @@ TrainValue = str | int | float | bool
 #: What happens to the box at the end: ``destroy`` (billing ends, disk gone), ``stop`` (the
 #: disk survives for cents an hour), ``keep`` (the box stays up).
 TeardownAction = Literal["destroy", "stop", "keep"]
+#: ``teardown.on_success``: an action, or ``auto``: stop or destroy, whichever this box's own
+#: figures say is cheaper for ``teardown.expected_gap`` (:mod:`agent.policy.autoteardown`).
+SuccessAction = Literal["destroy", "stop", "keep", "auto"]
 
 
 #: Who carries out the teardown: a cloud provider's API (``vast``, ``runpod``, ``lambda``), a
@@ -205,14 +208,25 @@ class TeardownSection:
     #: environment), ``command`` (``teardown.command``) or ``none`` (default: records the action
     #: it would take and does nothing).
     provider: ProviderName = "none"
-    #: What to do with the box when training completed: ``destroy``, ``stop`` or ``keep``.
-    on_success: TeardownAction = "destroy"
+    #: What to do with the box when training completed: ``destroy``, ``stop``, ``keep`` or
+    #: ``auto`` (stop or destroy from this box's figures and ``expected_gap``).
+    on_success: SuccessAction = "destroy"
     #: What to do after any other outcome (the box holds checkpoints: keep its disk).
     on_failure: TeardownAction = "stop"
     #: What to do when preflight (or staging) failed: nothing was trained, the box is bad.
     on_preflight_failure: TeardownAction = "destroy"
     #: Never destroy or stop the box unless every checkpoint upload was verified.
     require_verified_sync: bool = True
+    #: Never destroy the box unless the final ``best.pt``/``last.pt``, fetched back from the
+    #: sync target, loaded with LibreYOLO (the restore drill, :mod:`agent.sync.restore`): a
+    #: drill that failed or timed out turns a destroy into a stop. Default true.
+    require_restore_drill: bool = True
+    #: Seconds the restore drill may take per file, download and load
+    #: (``teardown.restore_drill_timeout``, a duration; default 15 minutes).
+    restore_drill_timeout_s: float = 900.0
+    #: ``on_success = "auto"``: how long until the next run on this box is expected, seconds
+    #: (``teardown.expected_gap``, a duration, e.g. ``"8h"``); required with ``auto``.
+    expected_gap_s: float | None = None
     #: Base URL of the provider's API, the part before ``/api/v0`` (vast), ``/v2`` (runpod) or
     #: ``/api/v1`` (lambda), without a trailing ``/``: for proxies, mirrors and tests. Default
     #: None: the provider's own (``https://console.vast.ai``, ``https://api.runpod.io``,

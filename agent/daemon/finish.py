@@ -20,9 +20,14 @@ from agent.config.model import TeardownAction
 from agent.daemon.context import RunContext
 from agent.daemon.prepare import drop_warm
 from agent.events import Event
-from agent.policy import steering, teardown
+from agent.policy import autoteardown, steering, teardown
+from agent.policy.autoteardown import AutoDecision
+from agent.providers import Provider, ProviderError
 from agent.state import Phase, Reason, transition
 from agent.status import report
+from agent.status.document import provider_disk
+from agent.sync import restore
+from agent.sync.restore import RestoreDrill
 from agent.trainer.rundir import read_metrics, read_status
 from agent.util.text import os_error
 
@@ -33,7 +38,12 @@ MAX_WARNINGS = 200
 
 
 def teardown_action(
-    ctx: RunContext, reason: Reason, *, can_stop: bool = True
+    ctx: RunContext,
+    reason: Reason,
+    *,
+    can_stop: bool = True,
+    drill: RestoreDrill | None = None,
+    auto: AutoDecision | None = None,
 ) -> tuple[TeardownAction, str]:
     """What the teardown does for ``reason`` (:func:`agent.policy.teardown.decide`), and why."""
     verified = bool(ctx.sync and ctx.sync.verify_result and ctx.sync.verify_result.sync_verified)
@@ -43,8 +53,62 @@ def teardown_action(
         sync_verified=verified,
         anything_to_save=teardown.anything_to_save(ctx.state, ctx.run_dir, ctx.job.job),
         can_stop=can_stop,
+        restore_failure=drill.why if drill is not None and drill.blocks_destroy else None,
+        auto=auto,
     )
     return decision.action, decision.why
+
+
+async def restore_drill(ctx: RunContext) -> RestoreDrill:
+    """The restore drill of the run's final checkpoints (agent/sync/restore.py), or why not."""
+    cfg = ctx.job.teardown
+    if not cfg.require_restore_drill:
+        return restore.skipped("teardown.require_restore_drill = false", ctx.clock())
+    if ctx.sync is None:
+        return restore.skipped("no [sync] target", ctx.clock())
+    return await restore.run_drill(
+        ctx.sync.sink,
+        ctx.env.state_dir / "scratch",
+        timeout_s=cfg.restore_drill_timeout_s,
+        now=ctx.clock,
+    )
+
+
+async def auto_decision(ctx: RunContext, provider: Provider) -> AutoDecision:
+    """``on_success = "auto"``: this box's figures (agent/policy/autoteardown.py) and the
+    decision they give for ``teardown.expected_gap``."""
+    cfg = ctx.job.teardown
+    disk_gb = storage = None
+    try:
+        ident = await provider.identify()
+        disk_gb, storage = ident.disk_gb, ident.storage_usd_per_gb_month
+    except ProviderError as exc:
+        log.warning("auto teardown: the provider does not say its disk: %s", exc)
+    if disk_gb is None:
+        disk_gb, storage_then = provider_disk(ctx.preflight_report)
+        storage = storage if storage is not None else storage_then
+    storage_source = "provider" if storage is not None else None
+    if storage is None and ctx.job.limits.storage_usd_per_gb_month is not None:
+        storage, storage_source = ctx.job.limits.storage_usd_per_gb_month, "job"
+    price = ctx.state.price_usd_per_hour
+    if price is None:
+        price = ctx.job.limits.price_usd_per_hour
+    decision = autoteardown.decide_auto(
+        autoteardown.AutoInputs(
+            gap_s=cfg.expected_gap_s or 0.0,
+            setup_s=autoteardown.setup_seconds(ctx.state),
+            price_usd_per_hour=price,
+            data_gb=autoteardown.staged_gb(ctx.staging_report),
+            disk_gb=disk_gb,
+            storage_usd_per_gb_month=storage,
+            disk_source="provider" if disk_gb is not None else None,
+            storage_source=storage_source,
+            can_stop=provider.can_stop,
+        )
+    )
+    log.info("teardown %s", decision.why)
+    log.warning("teardown auto: %s", decision.warning)
+    return decision
 
 
 class Ending:
@@ -107,7 +171,22 @@ class Ending:
             cfg = dataclasses.replace(cfg, instance_id=str(record["instance_id"]))
         provider = ctx.provider_factory(cfg, ctx.env)
         if not resumed or record is None:
-            action, why = teardown_action(ctx, reason, can_stop=provider.can_stop)
+            auto = None
+            if reason == Reason.COMPLETED and cfg.on_success == "auto":
+                auto = await auto_decision(ctx, provider)
+            action, why = teardown_action(ctx, reason, can_stop=provider.can_stop, auto=auto)
+            # The drill can only turn a destroy into a stop: a box that keeps its disk does
+            # not pay for it.
+            drill = (
+                await self._drill_unless_exiting()
+                if action == "destroy"
+                else restore.skipped(f"the teardown is {action}, not a destroy", ctx.clock())
+            )
+            if drill is None:  # asked to exit: the next agent decides and drills
+                return 0
+            action, why = teardown_action(
+                ctx, reason, can_stop=provider.can_stop, drill=drill, auto=auto
+            )
             (log.error if "KEPT" in why else log.info)("teardown decision: %s (%s)", action, why)
             ctx.events.publish(
                 "teardown",
@@ -122,7 +201,10 @@ class Ending:
                 "why": why,
                 "started_at": ctx.clock(),
                 "instance_id": await teardown.instance_id(provider),
+                "restore_drill": drill.to_dict(),
             }
+            if auto is not None:
+                record["auto"] = auto.to_dict()
             ctx.save(required=True)  # irreversible steps are recorded as started first
         # The story of the run leaves the box before a destroy may end this agent with it.
         await self._send_report(self._write_report())
@@ -168,6 +250,24 @@ class Ending:
             ctx.events.publish("failure", reason=reason.value, cause=ctx.state.cause)
         ctx.events.publish("done", reason=reason.value, cause=ctx.state.cause)
         return 0
+
+    async def _drill_unless_exiting(self) -> RestoreDrill | None:
+        """:func:`restore_drill`, or None when the agent is asked to exit meanwhile (the child
+        is killed; state.json says TEARDOWN with nothing decided)."""
+        shutdown = self.ctx.flags.shutdown
+        drill = asyncio.ensure_future(restore_drill(self.ctx))
+        exiting = asyncio.ensure_future(shutdown.wait())
+        try:
+            await asyncio.wait([drill, exiting], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exiting.cancel()
+            if not drill.done():
+                drill.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drill
+        if drill.cancelled():
+            return None
+        return drill.result()
 
     async def _teardown_wait(self, seconds: float) -> bool:
         """The pause between attempts of an open teardown; False when the agent must exit."""

@@ -6,6 +6,12 @@ Destroying the only copy of the checkpoints is the one mistake that cannot be un
 survives for a few cents an hour). Only a failure before anything was trained - no trainer ever
 started, no checkpoint of this job on disk - has nothing to save.
 
+The same for a checkpoint that is on the target and does not load: with
+``teardown.require_restore_drill`` a destroy after a restore drill that failed or timed out
+(:mod:`agent.sync.restore`: the final ``best.pt``/``last.pt`` fetched back and loaded with
+LibreYOLO) becomes a stop. ``on_success = "auto"`` picks stop or destroy from this box's
+figures (:mod:`agent.policy.autoteardown`), and its destroy passes both gates.
+
 The rule that costs the most when forgotten: **a teardown is done only when the provider confirms
 it** (a read of the instance shows it stopped or gone; for ``command``, its exit status 0), or when
 the plan was ``keep`` (or the ``none`` dry run). Until then it stays *open*
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.config.jobvalues import ConfigError
 from agent.config.model import Env, JobSection, TeardownAction, TeardownSection, as_action
+from agent.policy.autoteardown import AutoDecision
 from agent.providers import Provider, ProviderError, TeardownResult, make_provider
 from agent.state import Reason, RunState, TeardownRecord
 from agent.util.backoff import delay_s
@@ -73,8 +80,13 @@ def decide(
     sync_verified: bool,
     anything_to_save: bool,
     can_stop: bool = True,
+    restore_failure: str | None = None,
+    auto: AutoDecision | None = None,
 ) -> Decision:
-    """What to do with the box once the run ended for ``reason``."""
+    """What to do with the box once the run ended for ``reason``. ``restore_failure``: the
+    restore drill's line when it failed or timed out (:mod:`agent.sync.restore`), None when it
+    passed or was skipped; ``auto``: the decision of ``on_success = "auto"`` from this box's
+    figures (:mod:`agent.policy.autoteardown`), None while it is not made yet."""
     if reason == Reason.PREFLIGHT_FAILED and not anything_to_save:
         return Decision(
             cfg.on_preflight_failure, "preflight failed: nothing trained, nothing to save"
@@ -82,8 +94,14 @@ def decide(
     if reason == Reason.PREFLIGHT_FAILED:
         action = cfg.on_preflight_failure
         why = f"teardown.on_preflight_failure = {action} (a trainer ran or checkpoints exist)"
+    elif reason == Reason.COMPLETED and cfg.on_success == "auto":
+        if auto is None:  # a preview before the teardown: the figures are read then
+            action, why = "stop", "teardown.on_success = auto: decided at the teardown"
+        else:
+            action, why = auto.action, f"teardown.on_success = {auto.why}"
     elif reason == Reason.COMPLETED:
-        action, why = cfg.on_success, f"teardown.on_success = {cfg.on_success}"
+        action = as_action(cfg.on_success)
+        why = f"teardown.on_success = {cfg.on_success}"
     else:
         action, why = cfg.on_failure, f"teardown.on_failure = {cfg.on_failure}"
     if action == "destroy" and cfg.require_verified_sync and not sync_verified:
@@ -99,6 +117,18 @@ def decide(
             f"destroy refused and the box KEPT (still billing): checkpoints are not verified off "
             f"the box and provider {cfg.provider!r} has no stop; fetch the checkpoints, then "
             "destroy it by hand (teardown.require_verified_sync)",
+        )
+    if action == "destroy" and cfg.require_restore_drill and restore_failure:
+        if can_stop:
+            return Decision(
+                "stop",
+                f"destroy downgraded to stop: {restore_failure} (teardown.require_restore_drill)",
+            )
+        return Decision(
+            "keep",
+            f"destroy refused and the box KEPT (still billing): {restore_failure}, and provider "
+            f"{cfg.provider!r} has no stop; fetch the checkpoints, then destroy it by hand "
+            "(teardown.require_restore_drill)",
         )
     if action == "stop" and not can_stop:
         return Decision("keep", f"{why}, but provider {cfg.provider!r} has no stop: box kept")

@@ -123,6 +123,8 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
             "on_success": i.job.teardown.on_success,
             "on_failure": i.job.teardown.on_failure,
             "require_verified_sync": i.job.teardown.require_verified_sync,
+            "require_restore_drill": i.job.teardown.require_restore_drill,
+            "expected_gap_s": i.job.teardown.expected_gap_s,
         },
         "now": i.now,
         "steering": steering_status(state, i.now),

@@ -83,6 +83,11 @@ def build(
         "money": dict(status_doc.get("money") or {}),
         "sizing": dict(status_doc.get("sizing") or {}),
         "teardown": state.teardown,
+        # The final checkpoints fetched back and loaded (agent/sync/restore.py), and the
+        # figures of on_success = "auto" (agent/policy/autoteardown.py): both gate or make
+        # the teardown's decision, so both are kept with it.
+        "restore_drill": (state.teardown or {}).get("restore_drill"),
+        "auto_teardown": (state.teardown or {}).get("auto"),
         "steering": list(state.steering),
         "extended_s": state.extended_s,
         "hold": state.hold,
@@ -411,6 +416,16 @@ def _teardown_md(td: Any) -> list[str]:
     )
     if td.get("box_fault"):
         lines.append(f"- box fault: {td['box_fault']}")
+    drill = td.get("restore_drill")
+    if isinstance(drill, Mapping):
+        lines.append(f"- {drill.get('why') or drill.get('status')}")
+        for f in drill.get("files") or ():
+            if isinstance(f, Mapping):
+                lines.append(f"  - {f.get('path')}: {f.get('status')} ({f.get('detail') or '-'})")
+    auto = td.get("auto")
+    if isinstance(auto, Mapping):
+        lines.append(f"- {auto.get('why')}")
+        lines.append(f"- warning: {auto.get('warning')}")
     return lines
 
 
