@@ -62,6 +62,12 @@ class JobSection:
     stop_trainer_on_exit: bool = False
 
 
+#: Experiment loggers a job may ask for (``train.loggers``): LibreYOLO's built-in ones that the
+#: agent keeps on one run across resumes (:mod:`agent.trainer.logged_entry`).
+LoggerName = Literal["tensorboard", "mlflow", "wandb"]
+LOGGER_NAMES: tuple[LoggerName, ...] = ("tensorboard", "mlflow", "wandb")
+
+
 @dataclass(frozen=True)
 class TrainSection:
     #: ``key=value`` arguments for ``libreyolo train`` in job-file order (``data`` is required).
@@ -70,6 +76,9 @@ class TrainSection:
     stop_grace_s: float = 60.0
     #: Seconds to wait after SIGTERM before SIGKILL to the whole tree (``train.kill_grace``).
     kill_grace_s: float = 10.0
+    #: Experiment loggers (``train.loggers``), each one run across the trainer's resumes; empty:
+    #: none, and the trainer is the plain ``libreyolo train`` command.
+    loggers: tuple[LoggerName, ...] = ()
 
     def get(self, key: str, default: TrainValue | None = None) -> TrainValue | None:
         for k, v in self.args:

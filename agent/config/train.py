@@ -9,12 +9,20 @@ installed LibreYOLO does not have it (:func:`check_train_options`, with "did you
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib.util
 import math
 import re
 from pathlib import Path
 
 from agent.config.jobvalues import ConfigError, ErrorList, parse_duration, refuse_unprintable, show
-from agent.config.model import DatasetSection, TrainSection, TrainValue
+from agent.config.model import (
+    LOGGER_NAMES,
+    DatasetSection,
+    LoggerName,
+    TrainSection,
+    TrainValue,
+)
 from agent.install.libreyolo import TrainOptions
 
 #: ``[train]`` keys the agent sets itself; a job may not set them.
@@ -43,8 +51,13 @@ def load_train(
     args: list[tuple[str, TrainValue]] = []
     stop_grace = defaults.stop_grace_s
     kill_grace = defaults.kill_grace_s
+    loggers: tuple[LoggerName, ...] = ()
     for k, v in raw.items():
         key = f"train.{k}"
+        if k == "loggers":
+            with errors.catch():
+                loggers = parse_loggers(v)
+            continue
         if k in ("stop_grace", "kill_grace"):
             with errors.catch():
                 seconds = parse_duration(key, v)
@@ -97,13 +110,45 @@ def load_train(
                     "the staged dataset",
                 )
             )
-    section = TrainSection(args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace)
+    section = TrainSection(
+        args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace, loggers=loggers
+    )
     epochs = section.get("epochs")
     if epochs is not None and (
         isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
     ):
         errors.add(ConfigError("train.epochs", f"{show(epochs)} must be an integer >= 1"))
     return section
+
+
+def parse_loggers(value: object) -> tuple[LoggerName, ...]:
+    """``train.loggers``: a list of :data:`LOGGER_NAMES`, each at most once; a misspelt name
+    gets the closest valid one. :class:`ConfigError` otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            "train.loggers", f'{show(value)} must be a list of names, like ["tensorboard"]'
+        )
+    out: list[LoggerName] = []
+    for name in value:
+        match = next((n for n in LOGGER_NAMES if n == name), None)
+        if match is None:
+            close = difflib.get_close_matches(name.lower(), LOGGER_NAMES, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                "train.loggers",
+                f"unknown logger {show(name)}; {hint}(expected one of: {', '.join(LOGGER_NAMES)})",
+            )
+        if match in out:
+            raise ConfigError("train.loggers", f"{show(name)} is listed twice")
+        out.append(match)
+    return tuple(out)
+
+
+def missing_logger_packages(loggers: tuple[LoggerName, ...]) -> list[str]:
+    """The loggers of ``loggers`` whose package this Python cannot import (found without
+    importing it: the agent never loads a tracking client itself). Each logger's package has
+    the logger's name (``mlflow-skinny`` installs ``mlflow``)."""
+    return [n for n in loggers if importlib.util.find_spec(n) is None]
 
 
 def check_train_options(train: TrainSection, options: TrainOptions) -> None:
@@ -115,6 +160,15 @@ def check_train_options(train: TrainSection, options: TrainOptions) -> None:
     if not options.available:
         return
     errors = ErrorList()
+    missing = missing_logger_packages(train.loggers)
+    if missing:
+        errors.add(
+            ConfigError(
+                "train.loggers",
+                f"{', '.join(missing)} not installed beside {options.label}; install the "
+                "agent's loggers extra (pip install 'libreyolo-agent[loggers]')",
+            )
+        )
     for k, v in train.args:
         if k in options.names:
             problem = options.value_problem(k, v)

@@ -27,6 +27,7 @@ from agent.config.model import Job, TrainValue
 from agent.install.libreyolo import find_libreyolo
 from agent.state import LaunchIntent, TrainerRecord
 from agent.trainer.exitwait import wait_exit
+from agent.trainer.logged_entry import logged_argv
 from agent.trainer.rundir import pid_alive
 from agent.trainer.spawn import LAUNCH_ENV, spawn_detached, trainer_env
 from agent.trainer.spawn import TrainerError as TrainerError  # re-exported: launching raises it
@@ -90,6 +91,9 @@ def build_argv(
             "exist_ok=true",
             "json=true",
         ]
+    if job.train.loggers:  # LibreYOLO takes loggers= in its Python API only
+        libreyolo_executable()
+        return logged_argv(job, python, [*args, *fixed])
     if uses_python_api(job):
         libreyolo_executable()  # the same clear error when the training stack is missing
         return [python, "-m", "agent.trainer.train_entry", *args, *fixed]

@@ -49,7 +49,7 @@ def trainer_env(argv: list[str], launch_id: str | None) -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if launch_id is not None:
         env[LAUNCH_ENV] = launch_id
-    if any(a in ("agent.trainer.train_entry", "agent.trainer.warm_entry") for a in argv[:4]):
+    if any(a.startswith("agent.trainer.") and a.endswith("_entry") for a in argv[:4]):
         # The launcher must import this very agent, installed or run from a source tree.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
