@@ -343,10 +343,9 @@ class UploadQueue:
 
     async def _watch(self, flight: _Flight) -> None:
         items, fut = flight.items, flight.future
-        # Each checkpoint of a batch gets the time one upload may take.
-        timeout = self.cfg.upload_timeout_s * max(
-            1, sum(i.remote_path.endswith(".pt") for i in items)
-        )
+        # One upload is one commit, whatever it carries: its thread goes on after a timeout, and
+        # the retry reads back first what it may have landed.
+        timeout = self.cfg.upload_timeout_s
         try:
             outcomes = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
         except TimeoutError:
