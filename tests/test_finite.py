@@ -19,7 +19,7 @@ import pytest
 
 from agent.daemon.diverge import DivergenceWatch
 from agent.daemon.relaunch import resume_or_not
-from agent.state import Reason, StateStore
+from agent.state import Reason, RunState, StateStore
 from agent.trainer.finite import (
     check_weights,
     crash_looks_diverged,
@@ -143,6 +143,7 @@ class Ctx:
     """What :class:`DivergenceWatch` reads of the run context."""
 
     store: StateStore
+    state: RunState
     status: RunStatus | None = None
     sync: Any = None
     events: list[Any] = field(default_factory=list)
@@ -152,8 +153,9 @@ def status(epoch: int) -> RunStatus:
     return RunStatus.from_dict({"state": "running", "completed_epochs": epoch})
 
 
-def watch_at(tmp: Path) -> tuple[DivergenceWatch, Ctx, Path]:
-    ctx = Ctx(StateStore(tmp / "state"))
+def watch_at(tmp: Path, started_at: float = 1000.0) -> tuple[DivergenceWatch, Ctx, Path]:
+    state = RunState(job_name="run1", job_source="test", started_at=started_at)
+    ctx = Ctx(StateStore(tmp / "state"), state)
     ctx.store.root.mkdir(parents=True, exist_ok=True)
     return DivergenceWatch(ctx), ctx, tmp / "run"  # type: ignore[arg-type]
 
@@ -187,8 +189,11 @@ def test_inf_weights_with_finite_losses_diverge_and_keep_the_previous_good(tmp_p
 
     asyncio.run(scenario())
     # The verdict survives the agent: a restarted one stops the trainer and never resumes.
-    again, _, _ = watch_at(tmp_path)
-    assert again.verdict == watch.verdict and again.good_epoch == 1
+    again, _, run = watch_at(tmp_path)
+    assert asyncio.run(again.poll(run)) == watch.verdict and again.good_epoch == 1
+    # The same job run again in this state directory (its state.json removed) starts afresh.
+    fresh, _, run = watch_at(tmp_path, started_at=2000.0)
+    assert asyncio.run(fresh.poll(run)) is None and fresh.good_epoch is None
 
 
 def test_weights_are_not_good_before_their_epochs_losses_are_read(tmp_path: Path) -> None:

@@ -87,16 +87,25 @@ class DivergenceWatch:
         self._task: asyncio.Task[None] | None = None
         self._again = False
         self._metrics_key: tuple[int, int] | None = None
-        self._load()
+        self._loaded = False
 
     # ------------------------------------------------------------------ the record
 
     def _load(self) -> None:
+        """Read the record on first use: by then the run's state is the adopted one (a restarted
+        agent's), and a record of an earlier run in this state directory (its ``state.json``
+        removed to run the job again) is told apart by the run's start time and ignored."""
+        if self._loaded:
+            return
+        self._loaded = True
         try:
             doc = json.loads(self.record_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return
         if not isinstance(doc, dict):
+            return
+        if doc.get("run_started_at") != self.ctx.state.started_at:
+            log.info("%s is an earlier run's: ignored", self.record_path)
             return
         good = doc.get("good_epoch")
         if isinstance(good, int) and self.good_path.exists():
@@ -109,6 +118,7 @@ class DivergenceWatch:
 
     def _save(self) -> None:
         doc: dict[str, Any] = {
+            "run_started_at": self.ctx.state.started_at,
             "good_epoch": self.good_epoch,
             "diverged": None
             if self.verdict is None
@@ -144,6 +154,7 @@ class DivergenceWatch:
 
     async def poll(self, run_dir: Path | None) -> Diverged | None:
         """A turn of the loop: read ``metrics.jsonl`` when it moved. The verdict, or None."""
+        self._load()
         if self.verdict is None and run_dir is not None:
             await self._scan_metrics(run_dir)
         return self.verdict
@@ -164,6 +175,7 @@ class DivergenceWatch:
     def on_epoch(self, run_dir: Path) -> None:
         """An epoch ended: read its ``last.pt`` (one check at a time; epochs that end during a
         check are coalesced into one check of the newest)."""
+        self._load()
         if self.verdict is not None:
             return
         if self._task is not None and not self._task.done():
@@ -228,6 +240,7 @@ class DivergenceWatch:
         A run that completed takes the fast path: its losses only, no child unless they say it
         diverged (the trainer's exit -> FINISHING -> teardown path of every finished run must
         not wait seconds for a torch import)."""
+        self._load()
         if outcome is not None and outcome.completed and run_dir is not None:
             if self.verdict is None:
                 self._metrics_key = None
