@@ -98,6 +98,25 @@ def test_every_launch_of_a_job_names_the_same_run_and_another_target_another(
     assert Path(build_argv(plain)[0]).name == "libreyolo"
 
 
+@requires_libreyolo
+def test_a_logger_that_cannot_be_set_up_is_a_config_error_in_the_json_result(
+    tmp_path: Path,
+) -> None:
+    argv = [sys.executable, "-m", "agent.trainer.logged_entry", "--agent-loggers=nope"]
+    out = subprocess.run(
+        [*argv, "model=yolox-n", "data=missing.yaml", "json=true"],
+        env=trainer_env(argv, None),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]  # LibreYOLO's config error: never resumed
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["error"] == "logger_unavailable" and "nope" in doc["message"]
+
+
 def test_mlflow_metric_names_that_parent_others_get_total() -> None:
     trackers = pytest.importorskip("agent.trainer.trackers", reason="needs libreyolo")
     out = trackers.without_parent_keys({"train/loss": 3.0, "train/loss/iou": 1.0, "lr/g0": 0.1})
