@@ -260,3 +260,28 @@ def _fake_checkpoint(tmp: Path) -> Path:
     path = tmp / "ck.pt"
     path.write_bytes(json.dumps({"not": "a checkpoint"}).encode())
     return path
+
+
+@pytest.mark.training
+@requires_libreyolo
+def test_auto_stops_for_a_gap_under_break_even_and_skips_the_drill(
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with run_fake_vast(keys={VAST_KEY}) as vast:
+        vast.add_instance("1234", dph_total=3.4828, disk_space=250.0, storage_cost=0.20)
+        td = 'on_success = "auto"\nexpected_gap = "0s"'
+        code, daemon = run_job(tmp_path, dataset, td, monkeypatch, vast.url)
+        mutations = vast.mutations()
+    assert code == 0
+    state = StateStore(tmp_path / "state").load()
+    assert state is not None and state.teardown is not None
+    record: dict[str, Any] = dict(state.teardown)
+    assert record["action"] == "stop" and record["why"].startswith(
+        "teardown.on_success = auto: stop (expected gap 0s <= break-even"
+    )
+    assert record["auto"]["warning"].startswith("a stopped box releases its GPUs")
+    # A stop keeps the disk: the drill, which can only change a destroy, is not paid for.
+    assert record["restore_drill"]["status"] == "skipped"
+    assert "the teardown is stop, not a destroy" in record["restore_drill"]["why"]
+    assert [m[0] for m in mutations] == ["PUT"]
+    assert daemon.status_dict()["teardown"]["action"] == "stop"
