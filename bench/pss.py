@@ -404,7 +404,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         if role == "nvml host":
             note = f" ({result['nvml']})"
         if not pids and role == "guard":
-            lines.append("| guard | a thread of the supervisor (agent/guard/hosted.py) | - | - | - |")
+            where = "a thread of the supervisor (agent/guard/hosted.py)"
+            lines.append(f"| guard | {where} | - | - | - |")
             continue
         if not pids:
             lines.append(f"| {role}{note} | absent | - | - | - |")

@@ -162,9 +162,9 @@ def run_job(text: str, work: Path) -> tuple[int, dict[str, object]]:
     """Write the job file under ``work`` and run the agent in this process (what
     ``libreyolo-agent run JOB`` does, without the guard: the platform's timeout is the safety
     net here). Returns the exit code and the final state.json."""
+    from agent.config.jobfile import load_job
     from agent.config.model import Env
     from agent.daemon.spine import Daemon
-    from agent.config.jobfile import load_job
 
     work.mkdir(parents=True, exist_ok=True)
     job_path = work / "job.toml"
