@@ -30,7 +30,7 @@ from agent.config.model import Job
 from agent.trainer.logged_entry import run_key, split_options
 from agent.trainer.process import build_argv
 from agent.trainer.spawn import trainer_env
-from tests.support import HANG_S, tiny_job_text
+from tests.support import HANG_S, PAUSE_ENV, is_stopped, pause_after_epoch, tiny_job_text
 
 requires_libreyolo = pytest.mark.skipif(
     shutil.which("libreyolo", path=str(Path(sys.executable).parent)) is None
@@ -146,21 +146,11 @@ def _env(argv: list[str], tmp: Path) -> dict[str, str]:
     return env
 
 
-def _mlflow_epoch_logged(mlruns: Path, epoch: int) -> bool:
-    """MLflow (the last logger of the list) has written ``epoch``: the file store keeps a metric
-    as lines ``timestamp value step``."""
-    for metric in mlruns.glob("*/*/metrics/train/loss/total"):
-        lines = metric.read_text().split()
-        if str(epoch) in lines[2::3]:
-            return True
-    return False
-
-
 def _wait(proc: subprocess.Popen[bytes], done: Callable[[], bool]) -> None:
     """Wait until ``done()`` holds (or the trainer exits): a state, not a time."""
     deadline = time.monotonic() + HANG_S
     while not done() and proc.poll() is None:
-        assert time.monotonic() < deadline, "epoch 1 never reached the trackers"
+        assert time.monotonic() < deadline, "the trainer never paused after epoch 1"
         time.sleep(0.1)
 
 
@@ -170,12 +160,17 @@ def _wait(proc: subprocess.Popen[bytes], done: Callable[[], bool]) -> None:
 def test_a_stopped_and_resumed_trainer_is_one_run_in_mlflow_tensorboard_and_wandb(
     tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also the regression test of an epoch lost to the stop: LibreYOLO's loggers log after
+    status.json, so a stop right after it (here: at it) left epoch 1 out of MLflow ([2, 3])."""
     (tmp_path / "wandb").mkdir()
     job = job_of(tmp_path, dataset, '["wandb", "tensorboard", "mlflow"]')
     key = run_key(job)
     run_dir = tmp_path / "runs" / "run1"
 
-    # 1. First launch, stopped as the agent stops it (SIGINT to the group) once epoch 1 is in.
+    # 1. First launch, paused (SIGSTOP) by the trainer itself just after epoch 1's status.json,
+    # the file the agent reads as "epoch 1 done"; then stopped as the agent stops it (SIGINT to
+    # the group). The loggers must have logged epoch 1 by then: the resume goes on at epoch 2.
+    pause_after_epoch(monkeypatch, 1)
     argv = build_argv(job)
     with (tmp_path / "trainer.log").open("ab") as log:
         first = subprocess.Popen(
@@ -186,12 +181,16 @@ def test_a_stopped_and_resumed_trainer_is_one_run_in_mlflow_tensorboard_and_wand
             stderr=log,
             start_new_session=True,
         )
-        _wait(first, lambda: _mlflow_epoch_logged(tmp_path / "mlruns", 1))
+        _wait(first, lambda: is_stopped(first.pid))
         os.killpg(first.pid, signal.SIGINT)
+        os.killpg(first.pid, signal.SIGCONT)
         first.communicate(timeout=HANG_S)
+    monkeypatch.delenv(PAUSE_ENV)
     assert first.returncode == 130, (tmp_path / "trainer.log").read_text()[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "failed" and status["error"]["type"] == "KeyboardInterrupt"
+    metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in metrics] == [1]  # stopped in epoch 2
     assert (run_dir / "weights" / "last.pt").is_file()
 
     # 2. The agent's resume: same run dir, from last.pt, to the job's epochs.

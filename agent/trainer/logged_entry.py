@@ -5,7 +5,8 @@ on its command line. Like :mod:`agent.trainer.train_entry`, this runs the real C
 process (its argument parsing and checks, the model it builds, the ``json=true`` result, its
 exit codes, SIGINT's clean stop with exit 130, the run dir and its checkpoints, ``resume=true``
 from ``last.pt``) and only adds to the ``train()`` call of the model the CLI built: the logger
-objects (:mod:`agent.trainer.trackers`), and the device list when there is one.
+objects (:mod:`agent.trainer.trackers`, which log an epoch before its ``status.json`` is
+written), and the device list when there is one.
 
     python -m agent.trainer.logged_entry --agent-loggers=mlflow,tensorboard \\
         --agent-run-name=JOB --agent-run-key=KEY  model=... data=... json=true
@@ -119,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     extra: dict[str, Any] = {"loggers": loggers}
     if devices is not None:
-        extra["device"] = devices
+        extra["device"] = devices  # the ranks log in processes of their own: LibreYOLO's order
+    else:
+        from agent.trainer.trackers import log_before_status
+
+        extra["loggers"] = log_before_status(loggers)
     try:
         from libreyolo.cli.commands import train as train_cmd
 

@@ -18,8 +18,10 @@ job) and uses it the way its backend resumes:
   resume's differ (``resume``, ``model``), which would disable the logger for the whole run.
   Metric names that are the parent of others get ``/total`` (:func:`without_parent_keys`).
 
-An epoch whose end is cut by the stop itself (SIGINT right after its checkpoint and status.json,
-while the loggers write it) can be missing from the trackers: the resume goes on at the next one.
+LibreYOLO calls the loggers after it wrote the epoch's ``status.json``, and the agent takes that
+file as the epoch being done: a stop or a kill right then would leave the epoch out of the
+trackers, and the resume goes on at the next one. :func:`log_before_status` moves the loggers'
+epoch end just before that write (one process only: with a device list LibreYOLO's order stays).
 """
 
 from __future__ import annotations
@@ -110,3 +112,41 @@ def build_loggers(names: Sequence[str], *, run_key: str, run_name: str) -> list[
         else:
             raise ValueError(f"unknown logger {name!r}")
     return out
+
+
+class _EpochEndElsewhere:
+    """A logger as LibreYOLO's callback list sees it when :func:`log_before_status` calls its
+    epoch end: everything else is passed through."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+
+    def on_train_start(self, event: Any) -> None:
+        self.logger.on_train_start(event)
+
+    def on_train_end(self, event: Any) -> None:
+        self.logger.on_train_end(event)
+
+    def on_train_exception(self, event: Any) -> None:
+        self.logger.on_train_exception(event)
+
+
+def log_before_status(loggers: list[Any]) -> list[Any]:
+    """Have ``loggers`` log each epoch just before LibreYOLO writes its ``status.json`` (its
+    ``TrainingStatusCallback``, in this process), so an epoch the agent has seen done is in the
+    trackers; returns what to pass as ``loggers=``. Where that callback is not found (not
+    LibreYOLO 1.6.0), ``loggers`` as they are, in LibreYOLO's own order."""
+    try:
+        from libreyolo.training.artifacts import TrainingStatusCallback
+
+        write_status = TrainingStatusCallback.on_train_epoch_end
+    except (ImportError, AttributeError):
+        return loggers
+
+    def on_train_epoch_end(self: Any, event: Any) -> None:
+        for logger in loggers:
+            logger.on_train_epoch_end(event)  # guarded: a failing logger disables itself
+        write_status(self, event)
+
+    TrainingStatusCallback.on_train_epoch_end = on_train_epoch_end
+    return [_EpochEndElsewhere(logger) for logger in loggers]
