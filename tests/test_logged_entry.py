@@ -211,13 +211,18 @@ def test_a_stopped_and_resumed_trainer_is_one_run_in_mlflow_tensorboard_and_wand
     result = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert result["save_dir"] == str(run_dir)
     assert "disabling it for the rest of this run" not in trainer_log  # no logger gave up
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the reading client's too
+    assert_one_run_with_every_epoch(tmp_path, run_dir, key)
+
+
+def assert_one_run_with_every_epoch(tmp: Path, run_dir: Path, key: str) -> None:
+    """Read every backend back with its own library: one run, every epoch, the job's key."""
     epochs = list(range(1, EPOCHS + 1))
 
     # MLflow: one run, tagged with the job's key, every epoch's metrics, finished.
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for the reading client too
-    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    client = MlflowClient((tmp / "mlruns").as_uri())
     runs = client.search_runs(["0"])
     assert len(runs) == 1, [r.info.run_id for r in runs]
     run = runs[0]
@@ -237,7 +242,55 @@ def test_a_stopped_and_resumed_trainer_is_one_run_in_mlflow_tensorboard_and_wand
     assert sorted({e.step for e in acc.Scalars("train/loss")}) == epochs
 
     # wandb (offline): one run id for both launches, the job's key.
-    offline = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    offline = sorted((tmp / "wandb" / "wandb").glob("offline-run-*"))
     assert len(offline) == 2
     assert {d.name.rsplit("-", 1)[1] for d in offline} == {key}
     assert all((d / f"run-{key}.wandb").is_file() for d in offline)
+
+
+@pytest.mark.training
+@requires_libreyolo
+@requires_loggers
+def test_the_agent_resumes_a_killed_trainer_into_the_same_tracker_runs(
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the daemon: the trainer SIGKILLed just after epoch 1's status.json, resumed by
+    the agent (kind ``killed``) from last.pt, to the end; the trackers see one run."""
+    import asyncio
+
+    from agent.config.model import Env
+    from agent.daemon.spine import Daemon
+    from tests.test_daemon import run_daemon, wait_for
+
+    (tmp_path / "wandb").mkdir()
+    for key, value in _env([], tmp_path).items():
+        if key.startswith(("MLFLOW_", "WANDB_")):
+            monkeypatch.setenv(key, value)
+    for key in ("WANDB_RUN_ID", "WANDB_RESUME", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    sections = (
+        f'[sync]\ntarget = "file://{tmp_path / "synced"}"\n[limits]\nrestart_backoff = "1s"\n'
+    )
+    text = tiny_job_text(
+        tmp_path,
+        dataset,
+        epochs=EPOCHS,
+        train='loggers = ["wandb", "tensorboard", "mlflow"]',
+        sections=sections,
+    )
+    job = parse_job(text, source="test", base_dir=tmp_path)
+    pause_after_epoch(monkeypatch, 1)
+
+    async def during(daemon: Daemon, *_: object) -> None:
+        await wait_for(lambda: daemon.trainer is not None and is_stopped(daemon.trainer.pid))
+        assert daemon.trainer is not None
+        monkeypatch.delenv(PAUSE_ENV)  # the resumed trainer runs through
+        os.killpg(os.getpgid(daemon.trainer.pid), signal.SIGKILL)
+
+    code, daemon, _ = asyncio.run(run_daemon(job, Env(state_dir=tmp_path / "state"), during))
+    assert code == 0
+    state = daemon.state
+    assert state.reason is not None and state.reason.value == "completed", state.cause
+    assert [r["kind"] for r in state.resumes] == ["killed"]
+    assert daemon.run_dir is not None and daemon.run_dir == tmp_path / "runs" / "run1"
+    assert_one_run_with_every_epoch(tmp_path, daemon.run_dir, run_key(job))
