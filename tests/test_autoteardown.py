@@ -126,3 +126,9 @@ def test_the_job_file_keys() -> None:
     ]
     assert "auto" in errors('on_success = "maybe"')[0]
     assert errors("require_restore_drill = 1")[0].startswith("teardown.require_restore_drill")
+
+
+def test_before_the_figures_are_read_auto_previews_as_a_stop() -> None:
+    cfg = TeardownSection(provider="vast", on_success="auto", expected_gap_s=3600.0)
+    preview = decide(Reason.COMPLETED, cfg, sync_verified=True, anything_to_save=True)
+    assert preview.action == "stop" and "decided at the teardown" in preview.why

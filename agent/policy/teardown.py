@@ -96,7 +96,11 @@ def decide(
         why = f"teardown.on_preflight_failure = {action} (a trainer ran or checkpoints exist)"
     elif reason == Reason.COMPLETED and cfg.on_success == "auto":
         if auto is None:  # a preview before the teardown: the figures are read then
-            action, why = "stop", "teardown.on_success = auto: decided at the teardown"
+            action = "stop"
+            why = (
+                "teardown.on_success = auto: stop or destroy, decided at the teardown from "
+                "this box's figures (stop until then)"
+            )
         else:
             action, why = auto.action, f"teardown.on_success = {auto.why}"
     elif reason == Reason.COMPLETED:
