@@ -3,7 +3,8 @@
 #
 #   ./install.sh                 agent + training stack (torch first, then libreyolo and the agent)
 #   ./install.sh --dev           the same plus the test and lint tools
-#   ./install.sh --job JOB.toml  also LibreYOLO's extras that job needs (rfdetr, eomt, lora, onnx)
+#   ./install.sh --job JOB.toml  also the extras that job needs: LibreYOLO's (rfdetr, eomt, lora,
+#                                onnx) and its [train] loggers' clients (tensorboard, mlflow, wandb)
 #   ./install.sh --extras LIST   also these LibreYOLO extras (comma-separated)
 #   ./install.sh --dry-run       print the decisions and pip commands without running them
 #
@@ -127,6 +128,16 @@ if [ -n "$job" ] || [ -n "${also//,/}" ]; then
   lib_extras="${extras_lines[0]}"
   if [ -n "$lib_extras" ]; then
     step "libreyolo extras: $lib_extras"
+    printf '    %s\n' "${extras_lines[@]:1}"
+  fi
+fi
+# ---- the agent's extras the job asks for: the clients of its [train] loggers
+if [ -n "$job" ]; then
+  picked="$(torchpick agent-extras "$job")" || exit 2
+  mapfile -t extras_lines <<<"$picked"
+  if [ -n "${extras_lines[0]}" ]; then
+    agent_extras="$agent_extras,${extras_lines[0]}"
+    step "agent extras (the loggers' clients): ${extras_lines[0]}"
     printf '    %s\n' "${extras_lines[@]:1}"
   fi
 fi

@@ -10,6 +10,11 @@ checkpoints synced every epoch to a folder (``file://``) or to the fake Hub (tes
 the real huggingface_hub client over loopback, ``hf://``), and ``[teardown] provider = "vast"``
 against the fake Vast API (tests/fakes/providers.py, 127.0.0.1, a per-instance key). The job
 completes, its sync is verified, so the decision is a destroy: the fake's ``DELETE`` is the end.
+``require_restore_drill = false``: the scripted trainer's checkpoints are bytes, not models, so
+a drill would fail them and turn the destroy into a stop. With the drill on (the default), a
+destroy waits for it as well: one child that imports torch and LibreYOLO and loads the final
+checkpoints, seconds not milliseconds (docs/restore-drill.md measures it); it is a step that
+must stay, as the final sync's read-back is.
 
 The breakdown, per run, each step from the end of the one before:
 
@@ -143,6 +148,7 @@ every_epochs = 1
 [teardown]
 provider = "vast"
 api_url = "{vast_url}"
+require_restore_drill = false
 """
 
 

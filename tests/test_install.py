@@ -464,3 +464,19 @@ def test_bootstrap_starts_no_prefetch_for_a_job_without_a_dataset(supervisors: P
     proc = bootstrap(boot_env(root, LIBREYOLO_AGENT_JOB_TOML=JOB.format(root=root)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "prefetch" not in proc.stdout and not (root / "state" / "prefetch.log").exists()
+
+
+def test_a_jobs_loggers_get_their_clients_with_the_agent_install(tmp_path: Path) -> None:
+    # [train] loggers names the tracking clients the launcher imports (agent/trainer/trackers.py):
+    # the start line's install.sh --job installs those, not all three, so check passes on the box.
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nloggers = ["wandb", "mlflow"]\n', encoding="utf-8")
+    (_, agent), out = dry_run(tmp_path, "--job", str(job))
+    assert agent.endswith(r"\[train\,mlflow\,wandb\]"), agent
+    assert "tensorboard" not in agent
+    assert "mlflow: train.loggers names 'mlflow'" in out
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    job.write_text("[train]\nepochs = 3\n", encoding="utf-8")
+    (_, agent), _ = dry_run(plain, "--job", str(job))
+    assert agent.endswith(r"\[train\]"), agent

@@ -45,14 +45,37 @@ def job_extras(train: dict[str, Any]) -> tuple[list[str], list[str]]:
     return sorted(extras), [f"{e}: {extras[e]}" for e in sorted(extras)]
 
 
+#: The agent's own extras a job's ``[train] loggers`` asks for: one per tracking client, named
+#: as the logger (pyproject.toml; agent/config/model.py's LOGGER_NAMES).
+LOGGER_EXTRAS = frozenset({"tensorboard", "mlflow", "wandb"})
+
+
+def job_agent_extras(train: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The agent's extras for a job's ``[train]`` table (its loggers' clients), and why each.
+    Names that are not loggers are left to the job check, which names them."""
+    loggers = train.get("loggers")
+    names = [n for n in loggers if isinstance(n, str)] if isinstance(loggers, list) else []
+    found = sorted({n for n in names if n in LOGGER_EXTRAS})
+    return found, [f"{n}: train.loggers names {n!r}" for n in found]
+
+
 def read_job_extras(path: Path) -> tuple[list[str], list[str]]:
     """:func:`job_extras` of a job file (Python 3.11+: ``tomllib``)."""
+    return job_extras(_train_table(path))
+
+
+def read_job_agent_extras(path: Path) -> tuple[list[str], list[str]]:
+    """:func:`job_agent_extras` of a job file."""
+    return job_agent_extras(_train_table(path))
+
+
+def _train_table(path: Path) -> dict[str, Any]:
     import tomllib
 
     with path.open("rb") as f:
         doc = tomllib.load(f)
     train = doc.get("train")
-    return job_extras(train if isinstance(train, dict) else {})
+    return train if isinstance(train, dict) else {}
 
 
 def check_extras(names: Iterable[str]) -> list[str]:

@@ -11,7 +11,7 @@ call:
 - ``python3 -m agent.install.torchpick sees --python VENV/bin/python [--expect DIR]``: which torch a
   venv would import (exit 1 with the reason when none, or another one than ``--expect``).
 - ``python3 -m agent.install.torchpick extras JOB.toml``: LibreYOLO's extras the job needs
-  (agent/install/extras.py).
+  (agent/install/extras.py); ``agent-extras JOB.toml``: the agent's (its loggers' clients).
 - ``python3 -m agent.install.torchpick uptodate REPORT``: exit 0 when a ``pip install --dry-run
   --report`` of the agent has nothing left to do (pip always lists an editable install).
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.install import torchmeta
-from agent.install.extras import check_extras, read_job_extras
+from agent.install.extras import check_extras, read_job_agent_extras, read_job_extras
 from agent.install.torchindex import IndexProbe, probe_cpu_index
 
 #: The torch build for a machine without an NVIDIA GPU (install.sh's default ``TORCH_SPEC``).
@@ -508,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("extras", help="LibreYOLO extras a job needs (one line, comma-separated)")
     e.add_argument("job", nargs="?", type=Path, help="job file (TOML)")
     e.add_argument("--also", default="", help="more extras, comma-separated")
+    a = sub.add_parser("agent-extras", help="the agent's extras a job needs (its loggers)")
+    a.add_argument("job", type=Path, help="job file (TOML)")
     d = sub.add_parser("uptodate", help="exit 0 when pip has nothing left to do, else 1")
     d.add_argument("report", type=Path)
     d.add_argument("--project", type=Path, required=True)
@@ -525,6 +527,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"torchpick: {exc}", file=sys.stderr)
             return 2
         print(",".join(extras))
+        for line in why:
+            print(line)
+        return 0
+    if args.command == "agent-extras":
+        try:
+            found, why = read_job_agent_extras(args.job)
+        except (OSError, ValueError) as exc:
+            print(f"torchpick: {exc}", file=sys.stderr)
+            return 2
+        print(",".join(found))
         for line in why:
             print(line)
         return 0
