@@ -16,19 +16,16 @@ The agent process never imports torch (memory, start time): :func:`check_weights
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import sys
-import time
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.util.childenv import child_env
-from agent.util.procs import stop_group
+from agent.util.procs import run_check_child
 
 #: Seconds one weights check may take (interpreter, ``import torch``, load, scan) before the
 #: child is killed and the check counts as "cannot tell". Generous: a loaded 2-core box takes
@@ -171,35 +168,16 @@ async def check_weights(
 ) -> WeightsCheck:
     """Look at every floating tensor of the checkpoint ``path`` in a child process (its own
     session, killed with its group past ``timeout_s``). Never raises for a bad file or child."""
-    env = child_env()
-    env["CUDA_VISIBLE_DEVICES"] = ""  # a check never takes GPU memory from the trainer
-    env.setdefault("OMP_NUM_THREADS", "1")
-    started = time.monotonic()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            python,
-            "-m",
-            "agent.trainer.finite_entry",
-            str(path),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        why = f"cannot start the check: {exc.strerror or exc}"
-        return WeightsCheck(None, None, 0, 0, (), time.monotonic() - started, error=why)
-    try:
-        stdout, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        await stop_group(proc)
-        why = f"the check took over {timeout_s:.0f}s and was killed"
-        return WeightsCheck(None, None, 0, 0, (), time.monotonic() - started, error=why)
-    except asyncio.CancelledError:
-        await stop_group(proc)  # the caller is going away: no orphan holding a mapped file
-        raise
-    return _answer(stdout, proc.returncode, time.monotonic() - started)
+    run = await run_check_child(
+        [python, "-m", "agent.trainer.finite_entry", str(path)], timeout_s=timeout_s
+    )
+    if run.failure == "start":
+        why = f"cannot start the check: {run.why}"
+        return WeightsCheck(None, None, 0, 0, (), run.elapsed_s, error=why)
+    if run.failure == "timeout":
+        why = f"the check {run.why}"
+        return WeightsCheck(None, None, 0, 0, (), run.elapsed_s, error=why)
+    return _answer(run.stdout, run.returncode, run.elapsed_s)
 
 
 def is_torch_checkpoint(path: Path) -> bool:

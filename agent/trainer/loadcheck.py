@@ -9,17 +9,14 @@ fetched the checkpoint would.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.util.childenv import child_env
-from agent.util.procs import stop_group
+from agent.util.procs import run_check_child
 
 #: ``ok``: LibreYOLO built the model and every tensor it has came from the checkpoint;
 #: ``failed``: it did not (``error`` says why); ``timed_out``: the child was killed.
@@ -49,33 +46,13 @@ async def check_loads(
     """Load the checkpoint ``path`` in a child (``argv`` + the path; default
     :func:`entry_argv`), killed with its group past ``timeout_s``. Never raises for a bad file
     or a bad child; re-raises a cancellation after killing the child."""
-    env = child_env()
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: the drill never takes a GPU
-    env.setdefault("OMP_NUM_THREADS", "1")
-    started = time.monotonic()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *(argv if argv is not None else entry_argv()),
-            str(path),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        why = f"cannot start the loader: {exc.strerror or exc}"
-        return LoadCheck("failed", time.monotonic() - started, {}, why)
-    try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        await stop_group(proc, grace_s=2.0)
-        why = f"the loader took over {timeout_s:.0f}s and was killed"
-        return LoadCheck("timed_out", time.monotonic() - started, {}, why)
-    except asyncio.CancelledError:
-        await stop_group(proc, grace_s=2.0)
-        raise
-    return _answer(stdout, stderr, proc.returncode, time.monotonic() - started)
+    argv = [*(argv if argv is not None else entry_argv()), str(path)]
+    run = await run_check_child(argv, timeout_s=timeout_s, grace_s=2.0)
+    if run.failure == "start":
+        return LoadCheck("failed", run.elapsed_s, {}, f"cannot start the loader: {run.why}")
+    if run.failure == "timeout":
+        return LoadCheck("timed_out", run.elapsed_s, {}, f"the loader {run.why}")
+    return _answer(run.stdout, run.stderr, run.returncode, run.elapsed_s)
 
 
 def _answer(stdout: bytes, stderr: bytes, code: int | None, seconds: float) -> LoadCheck:
