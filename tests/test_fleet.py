@@ -397,6 +397,13 @@ def box_processes(state_dir: Path, runs: Path) -> list[psutil.Process]:
         cmd = " ".join(p.info.get("cmdline") or [])
         if f"project={runs}" in cmd or (str(state_dir) in cmd and "agent.guard" in cmd):
             found.append(p)
+    # And the trainer as the agent recorded it, with its children: a warm start's command line
+    # names no run directory.
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, psutil.Error):
+        pid = int(json.loads((state_dir / "state.json").read_text())["trainer"]["pid"])
+        trainer = psutil.Process(pid)
+        known = {p.pid for p in found}
+        found += [t for t in (trainer, *trainer.children(recursive=True)) if t.pid not in known]
     return found
 
 
@@ -433,11 +440,11 @@ def test_a_relaunch_on_a_fresh_box_resumes_from_the_targets_last_pt_under_one_ru
             return 0
 
         def paused_at_two() -> bool:
-            # cmdline as read once by process_iter: a process gone since raises nothing.
-            trainers = [
-                p for p in box_processes(state1, runs1) if "train" in (p.info["cmdline"] or [])
-            ]
-            return remote_epoch() >= 2 and any(is_stopped(p.pid) for p in trainers)
+            # The trainer as the agent recorded it (a warm start's command line names no run).
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                pid = json.loads((state1 / "state.json").read_text())["trainer"]["pid"]
+                return remote_epoch() >= 2 and is_stopped(int(pid))
+            return False
 
         asyncio.run(wait_for(paused_at_two))
         # The engine stops the run step (a cancel, the box shutting down): the agent leaves

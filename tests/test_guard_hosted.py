@@ -8,6 +8,7 @@ work not over, a guard process of its own session carries on the watch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,8 +62,9 @@ def supervisor(state_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         for child in psutil.Process().children(recursive=True):  # a stand-in agent left over
-            if "time.sleep(600)" in " ".join(child.cmdline()):
-                child.kill()
+            with contextlib.suppress(psutil.Error):  # gone, or a zombie of another test's
+                if "time.sleep(600)" in " ".join(child.cmdline()):
+                    child.kill()
 
 
 def guard_log(state_dir: Path) -> str:

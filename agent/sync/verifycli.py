@@ -28,8 +28,10 @@ DESCRIPTION = (
     "still fail here: a pickle that raises, tensors missing from the state dict."
 )
 EPILOG = (
-    "exit codes: 0 every checkpoint on the target loaded, 1 one did not (or nothing there), "
-    "2 a bad TARGET"
+    "exit codes:\n"
+    "  0  every checkpoint on the target loaded\n"
+    "  1  one did not load, or timed out, or nothing is there\n"
+    "  2  a bad TARGET\n"
 )
 
 
