@@ -32,13 +32,20 @@ def tiny_job(
     train: str = "",
     sections: str = "",
     doctor: bool = False,
+    checks: bool = False,
 ) -> Job:
     """yolox-n from scratch at 64x64 on the CPU, preflight off, HTTP on a free port.
 
     ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table).
     The dataset doctor (on by default for users, about 5 s of LibreYOLO start-up) is off
-    unless ``doctor``: the tests of the doctor itself turn it on."""
-    text = tiny_job_text(tmp, data, epochs=epochs, train=train, sections=sections, doctor=doctor)
+    unless ``doctor``: the tests of the doctor itself turn it on. So are the checkpoint checks
+    that import torch in a child unless ``checks`` (on for users): the NaN/inf read of each
+    epoch's last.pt (``train.check_weights``, 3-5 s of CPU an epoch here) and the restore drill
+    before a destroy (``teardown.require_restore_drill``, 6-7 s): the tests of those turn them
+    on, and the demo job's tests run with the users' defaults."""
+    text = tiny_job_text(
+        tmp, data, epochs=epochs, train=train, sections=sections, doctor=doctor, checks=checks
+    )
     return parse_job(text, source="test", base_dir=tmp)
 
 
@@ -50,10 +57,21 @@ def tiny_job_text(
     train: str = "",
     sections: str = "",
     doctor: bool = False,
+    checks: bool = False,
 ) -> str:
     """The TOML of :func:`tiny_job`, for tests that hand the agent a job file."""
     if "[dataset]" not in sections:
         sections += f"\n[dataset]\ndoctor = {'true' if doctor else 'false'}\n"
+    if not checks:
+        if "check_weights" not in train:
+            train += "\ncheck_weights = false\n"
+        if "require_restore_drill" not in sections:
+            if "[teardown]\n" in sections:
+                sections = sections.replace(
+                    "[teardown]\n", "[teardown]\nrequire_restore_drill = false\n", 1
+                )
+            else:
+                sections += "\n[teardown]\nrequire_restore_drill = false\n"
     text = f"""
 [job]
 name = "run1"

@@ -43,7 +43,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_job(tmp: Path, data: Path, train: str, *, epochs: int, model: str = "yolox-n") -> Daemon:
     sections = f'[sync]\ntarget = "file://{tmp / "synced"}"\n'
-    text = tiny_job_text(tmp, data, epochs=epochs, train=train, sections=sections)
+    text = tiny_job_text(tmp, data, epochs=epochs, train=train, sections=sections, checks=True)
     job = parse_job(
         text.replace('model = "yolox-n"', f'model = "{model}"'), source="test", base_dir=tmp
     )

@@ -13,10 +13,13 @@ import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from agent.config.jobfile import parse_job
+from agent.config.model import ConfigError, TrainSection
 from agent.daemon.diverge import DivergenceWatch
 from agent.daemon.relaunch import resume_or_not
 from agent.state import Reason, RunState, StateStore
@@ -147,6 +150,7 @@ class Ctx:
     status: RunStatus | None = None
     sync: Any = None
     events: list[Any] = field(default_factory=list)
+    job: Any = field(default_factory=lambda: SimpleNamespace(train=TrainSection()))
 
 
 def status(epoch: int) -> RunStatus:
@@ -194,6 +198,34 @@ def test_inf_weights_with_finite_losses_diverge_and_keep_the_previous_good(tmp_p
     # The same job run again in this state directory (its state.json removed) starts afresh.
     fresh, _, run = watch_at(tmp_path, started_at=2000.0)
     assert asyncio.run(fresh.poll(run)) is None and fresh.good_epoch is None
+
+
+def test_check_weights_false_reads_the_losses_only(tmp_path: Path) -> None:
+    # train.check_weights = false: no child reads last.pt (a checkpoint of inf passes unseen,
+    # and none is kept as good); the losses still stop a run that diverged.
+    watch, ctx, run = watch_at(tmp_path)
+    ctx.job = SimpleNamespace(train=TrainSection(check_weights=False))
+
+    async def scenario() -> None:
+        write_rows(run, row(1))
+        save_ckpt(run / "weights" / "last.pt", 1, bad="model", value=math.inf)
+        await epoch_ends(watch, ctx, run, 1)
+        assert watch.verdict is None and watch.last_check is None and watch.good_epoch is None
+        write_rows(run, row(1), row(2, loss=None))
+        assert await watch.poll(run) is not None and watch.verdict is not None
+        assert watch.verdict.epoch == 2
+
+    asyncio.run(scenario())
+
+
+def test_check_weights_is_the_agents_key_and_a_boolean() -> None:
+    base = '[train]\ndata = "/d/data.yaml"\n'
+    job = parse_job(base + "check_weights = false\n", source="t")
+    assert job.train.check_weights is False
+    assert all(k != "check_weights" for k, _ in job.train.args)  # never passed to LibreYOLO
+    assert parse_job(base, source="t").train.check_weights is True
+    with pytest.raises(ConfigError, match=r"train\.check_weights"):
+        parse_job(base + 'check_weights = "no"\n', source="t")
 
 
 def test_weights_are_not_good_before_their_epochs_losses_are_read(tmp_path: Path) -> None:

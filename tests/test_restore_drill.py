@@ -59,7 +59,7 @@ def run_job(
         f'[teardown]\nprovider = "vast"\napi_url = "{vast_url}"\n{teardown}\n'
         "[limits]\nprice_usd_per_hour = 3.4828\n"
     )
-    job = tiny_job(tmp, data, epochs=1, sections=sections)
+    job = tiny_job(tmp, data, epochs=1, sections=sections, checks=True)
     env = Env(state_dir=tmp / "state", container_id="1234", vast_api_key=VAST_KEY)
     daemon = Daemon(job, env, poll_interval_s=0.5)
     code = asyncio.run(daemon.run())

@@ -52,11 +52,18 @@ def load_train(
     stop_grace = defaults.stop_grace_s
     kill_grace = defaults.kill_grace_s
     loggers: tuple[LoggerName, ...] = ()
+    check_weights = defaults.check_weights
     for k, v in raw.items():
         key = f"train.{k}"
         if k == "loggers":
             with errors.catch():
                 loggers = parse_loggers(v)
+            continue
+        if k == "check_weights":  # the agent's, not LibreYOLO's: agent/daemon/diverge.py
+            if isinstance(v, bool):
+                check_weights = v
+            else:
+                errors.add(ConfigError(key, f"{show(v)} must be true or false"))
             continue
         if k in ("stop_grace", "kill_grace"):
             with errors.catch():
@@ -111,7 +118,11 @@ def load_train(
                 )
             )
     section = TrainSection(
-        args=tuple(args), stop_grace_s=stop_grace, kill_grace_s=kill_grace, loggers=loggers
+        args=tuple(args),
+        stop_grace_s=stop_grace,
+        kill_grace_s=kill_grace,
+        loggers=loggers,
+        check_weights=check_weights,
     )
     epochs = section.get("epochs")
     if epochs is not None and (

@@ -194,7 +194,11 @@ class DivergenceWatch:
                 return
 
     async def _check_last(self, run_dir: Path) -> None:
-        """Copy ``last.pt`` (a stable copy: the trainer writes it in place) and judge it."""
+        """Copy ``last.pt`` (a stable copy: the trainer writes it in place) and judge it;
+        nothing with ``train.check_weights = false`` (the losses alone are watched then, and no
+        last good checkpoint is kept)."""
+        if not self.ctx.job.train.check_weights:
+            return
         candidate = self.dir / "candidate.pt"
         self.dir.mkdir(parents=True, exist_ok=True)
         if not await asyncio.to_thread(_copy_stable, run_dir / "weights" / "last.pt", candidate):
