@@ -166,9 +166,11 @@ def watch_exit(pid: int, out: list[float]) -> None:
     try:
         fd = os.pidfd_open(pid)
     except OSError:
+        # ChildProcessError: the agent's own wait reaped it first (both wake at the exit;
+        # which runs first is the scheduler's choice): it is gone, at the latest now.
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            out.append(time.time())
+        out.append(time.time())
         return
     try:
         select.select([fd], [], [])

@@ -38,11 +38,12 @@ def tiny_job(
 
     ``train`` adds lines to [train]; ``sections`` adds whole sections (e.g. a [sync] table).
     The dataset doctor (on by default for users, about 5 s of LibreYOLO start-up) is off
-    unless ``doctor``: the tests of the doctor itself turn it on. So are the checkpoint checks
-    that import torch in a child unless ``checks`` (on for users): the NaN/inf read of each
-    epoch's last.pt (``train.check_weights``, 3-5 s of CPU an epoch here) and the restore drill
-    before a destroy (``teardown.require_restore_drill``, 6-7 s): the tests of those turn them
-    on, and the demo job's tests run with the users' defaults."""
+    unless ``doctor``: the tests of the doctor itself turn it on. So is the restore drill
+    before a destroy unless ``checks`` (on for users; ``teardown.require_restore_drill``: a
+    child that imports torch and LibreYOLO, 6-7 s here): the tests of the drill turn it on, and
+    the demo job's tests run with the users' defaults. The NaN/inf read of each epoch's last.pt
+    (``train.check_weights``) stays on as for users: it reads the bytes without torch, in
+    milliseconds."""
     text = tiny_job_text(
         tmp, data, epochs=epochs, train=train, sections=sections, doctor=doctor, checks=checks
     )
@@ -62,16 +63,13 @@ def tiny_job_text(
     """The TOML of :func:`tiny_job`, for tests that hand the agent a job file."""
     if "[dataset]" not in sections:
         sections += f"\n[dataset]\ndoctor = {'true' if doctor else 'false'}\n"
-    if not checks:
-        if "check_weights" not in train:
-            train += "\ncheck_weights = false\n"
-        if "require_restore_drill" not in sections:
-            if "[teardown]\n" in sections:
-                sections = sections.replace(
-                    "[teardown]\n", "[teardown]\nrequire_restore_drill = false\n", 1
-                )
-            else:
-                sections += "\n[teardown]\nrequire_restore_drill = false\n"
+    if not checks and "require_restore_drill" not in sections:
+        if "[teardown]\n" in sections:
+            sections = sections.replace(
+                "[teardown]\n", "[teardown]\nrequire_restore_drill = false\n", 1
+            )
+        else:
+            sections += "\n[teardown]\nrequire_restore_drill = false\n"
     text = f"""
 [job]
 name = "run1"

@@ -14,7 +14,6 @@ import asyncio
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -53,15 +52,24 @@ def run_job(tmp: Path, data: Path, train: str, *, epochs: int, model: str = "yol
 
 
 def tensors_finite(path: Path) -> dict[str, object]:
-    """The child check's own answer for ``path`` (what the agent reads, run here by hand)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "agent.trainer.finite_entry", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    answer: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return answer
+    """torch's own verdict on ``path`` (``torch.load`` + ``torch.isfinite`` on every floating
+    tensor), independent of the agent's torch-free scan."""
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    stack, bad = [ckpt], 0
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if (obj.is_floating_point() or obj.is_complex()) and not bool(
+                torch.isfinite(obj).all()
+            ):
+                bad += 1
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+    return {"bad_count": bad, "epoch": ckpt["epoch"] + 1}
 
 
 def assert_diverged_with_the_epoch_before_kept(tmp: Path, daemon: Daemon) -> str:

@@ -79,8 +79,8 @@ class TrainSection:
     #: Experiment loggers (``train.loggers``), each one run across the trainer's resumes; empty:
     #: none, and the trainer is the plain ``libreyolo train`` command.
     loggers: tuple[LoggerName, ...] = ()
-    #: Read each epoch's ``last.pt`` for NaN/inf in a child (``train.check_weights``; the losses
-    #: are watched either way): agent/daemon/diverge.py.
+    #: Read each epoch's ``last.pt`` for NaN/inf (``train.check_weights``; its bytes, without
+    #: torch; the losses are watched either way): agent/daemon/diverge.py.
     check_weights: bool = True
 
     def get(self, key: str, default: TrainValue | None = None) -> TrainValue | None:

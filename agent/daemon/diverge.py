@@ -2,7 +2,7 @@
 
 While the trainer runs, every turn of the training loop reads ``metrics.jsonl`` when it moved
 (:func:`agent.trainer.finite.scan_losses`: a ``null``, NaN or inf loss is divergence), and each
-epoch's ``last.pt`` is copied and its own tensors read in a child process
+epoch's ``last.pt`` is copied and its own tensors read, without torch, in a thread
 (:func:`agent.trainer.finite.check_weights`): a checkpoint is *good* only when its tensors and
 its epoch's losses (and every earlier epoch's) are all finite. The newest good one is kept on
 this box in the state directory as ``finite/last-good.pt`` (replaced only by a newer good one);
@@ -18,8 +18,8 @@ trainer again and never resumes it (:mod:`agent.daemon.relaunch`).
 After a trainer ended by itself (:meth:`DivergenceWatch.after_exit`) the same checks run once
 more on what it left: LibreYOLO's ``yolo9-t`` trains on through NaN and exits 0, ``yolox-n``
 dies at the first NaN with exit 1; both are ``diverged``, never ``completed`` or a failure to
-resume. A run that completed is judged on its losses alone there (no child on the way from its
-exit to the teardown).
+resume. A run that completed is judged on its losses alone there (nothing more to read on the
+way from its exit to the teardown).
 """
 
 from __future__ import annotations
@@ -241,9 +241,10 @@ class DivergenceWatch:
         read the losses, and the final ``last.pt`` when no check has read it; a crash (exit 1)
         whose words say NaN is divergence too. The verdict, or None.
 
-        A run that completed takes the fast path: its losses only, no child unless they say it
-        diverged (the trainer's exit -> FINISHING -> teardown path of every finished run must
-        not wait seconds for a torch import)."""
+        A run that completed takes the fast path: its losses only, no copy and read of its
+        final checkpoint unless they say it diverged (the trainer's exit -> FINISHING ->
+        teardown path of every finished run waits for nothing it can skip; the checks of the
+        epochs before ran while it trained)."""
         self._load()
         if outcome is not None and outcome.completed and run_dir is not None:
             if self.verdict is None:
@@ -312,7 +313,8 @@ class DivergenceWatch:
         return True
 
     async def close(self) -> None:
-        """Cancel a check still running (the agent is exiting); its child goes with it."""
+        """Cancel a check still running (the agent is exiting); its thread stops at its next
+        chunk."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,5 +1,5 @@
 """Is a run's arithmetic still finite? Its losses in ``metrics.jsonl``, and its checkpoints'
-tensors, looked at in a child process (:mod:`agent.trainer.finite_entry`).
+tensors, read without torch (:mod:`agent.trainer.ckptscan`).
 
 LibreYOLO 1.6.0 shows a diverged run two ways (docs: the tiny dataset, ``warmup_epochs=0``):
 ``yolo9-t`` at ``lr0=1e5`` trains on with ``null`` losses in ``metrics.jsonl`` and NaN weights
@@ -8,28 +8,33 @@ input should be between 0 and 1" (a BCE fed NaN). And a checkpoint can hold inf 
 its epoch's losses are still finite: losses alone never prove a checkpoint good, so a
 checkpoint counts as good only once its own tensors were read.
 
-The agent process never imports torch (memory, start time): :func:`check_weights` starts
-``python -m agent.trainer.finite_entry CHECKPOINT`` and reads its one JSON line. What that costs
-(interpreter, ``import torch``, the mapped load, the scan) is measured per call
-(:attr:`WeightsCheck.seconds`); ``bench/finite_check.py`` prints it.
+The agent process never imports torch (memory, start time), and no child does it either:
+:func:`check_weights` reads the checkpoint's own bytes (:mod:`agent.trainer.ckptscan`: the
+zip ``torch.save`` writes, its pickle read inertly, each floating storage's exponent bits
+compared in C) in a daemon thread of the agent. A checkpoint of tens of MB takes tens of
+milliseconds and one MiB of memory; the child that imported torch for each epoch cost 3-6 s of
+CPU and about 1 GB beside the training. ``bench/finite_check.py`` prints the cost per call.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-import sys
+import threading
+import time
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.util.procs import run_check_child
+from agent.trainer import ckptscan
+from agent.util.text import os_error
 
-#: Seconds one weights check may take (interpreter, ``import torch``, load, scan) before the
-#: child is killed and the check counts as "cannot tell". Generous: a loaded 2-core box takes
-#: ~5 s for a 35 MB checkpoint; a multi-GB one on a slow disk much longer.
+#: Seconds one weights check may take before it counts as "cannot tell" (a disk that stopped
+#: answering): the scan reads at disk speed, a multi-GB checkpoint on a slow disk in minutes.
 CHECK_TIMEOUT_S = 600.0
 
 #: Error messages of a trainer that died of NaN rather than of a bug: torch's BCE fed NaN
@@ -103,10 +108,10 @@ def scan_losses(rows: Iterable[dict[str, Any]]) -> LossVerdict:
 
 @dataclass(frozen=True)
 class WeightsCheck:
-    """One checkpoint's tensors, as the child read them."""
+    """One checkpoint's tensors, as :func:`check_weights` read them."""
 
     #: True: every floating tensor finite; False: some are not; None: could not tell (not a
-    #: checkpoint, torn, the child crashed or timed out) - ``error`` says why.
+    #: checkpoint, torn, a type the scan does not know, no answer in time) - ``error`` says why.
     finite: bool | None
     #: The epoch the checkpoint says it holds (1-based), when it says.
     epoch: int | None
@@ -114,12 +119,12 @@ class WeightsCheck:
     #: How many tensors hold NaN or inf, and the first few names.
     bad_count: int
     bad: tuple[str, ...]
-    #: The whole check, child start to answer, seconds (what a checkpoint costs).
+    #: The whole check, start to answer, seconds (what a checkpoint costs).
     seconds: float
-    #: The child's own load and scan times, seconds (the rest is interpreter and import).
-    load_s: float | None = None
+    #: The scan's own time, seconds, and the bytes of floating storage it read.
     scan_s: float | None = None
     error: str | None = None
+    bytes_read: int = 0
 
     def describe(self) -> str:
         """One line for the log and the cause."""
@@ -137,52 +142,62 @@ class WeightsCheck:
         )
 
 
-def _answer(stdout: bytes, code: int | None, seconds: float) -> WeightsCheck:
-    line = next((ln for ln in reversed(stdout.decode(errors="replace").splitlines()) if ln), "")
+async def check_weights(path: Path, *, timeout_s: float = CHECK_TIMEOUT_S) -> WeightsCheck:
+    """Look at every floating tensor of the checkpoint ``path`` (:func:`ckptscan.scan`) in a
+    daemon thread: past ``timeout_s`` (a hung disk) the answer is "cannot tell" and the thread
+    is left to its read, never joined at exit; a cancelled check stops at its next chunk.
+    Never raises for a bad file."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[WeightsCheck] = loop.create_future()
+    cancel = threading.Event()
+    started = time.monotonic()
+
+    def answer(check: WeightsCheck) -> None:
+        if not done.done():
+            done.set_result(check)
+
+    def work() -> None:
+        check = _scan(path, cancel, started)
+        if check is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(answer, check)
+
+    threading.Thread(target=work, name="weights-check", daemon=True).start()
     try:
-        doc = json.loads(line)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        why = f"the check exited {code} without an answer"
-        return WeightsCheck(None, None, 0, 0, (), seconds, error=why)
-    if doc.get("error") or code != 0:
-        why = str(doc.get("error") or f"the check exited {code}")
-        return WeightsCheck(None, None, 0, 0, (), seconds, error=why)
-    bad_count = int(doc.get("bad_count") or 0)
-    epoch = doc.get("epoch")
+        return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except TimeoutError:
+        cancel.set()
+        why = f"no answer in {timeout_s:g}s (the disk stopped answering?)"
+        return WeightsCheck(None, None, 0, 0, (), time.monotonic() - started, error=why)
+    finally:
+        cancel.set()  # cancelled or timed out: the thread stops at its next chunk
+
+
+def _scan(path: Path, cancel: threading.Event, started: float) -> WeightsCheck | None:
+    try:
+        found = ckptscan.scan(path, cancel=cancel)
+    except ckptscan.Cancelled:
+        return None
+    except ckptscan.ScanError as exc:
+        return WeightsCheck(None, None, 0, 0, (), time.monotonic() - started, error=str(exc))
+    except OSError as exc:
+        return WeightsCheck(None, None, 0, 0, (), time.monotonic() - started, error=os_error(exc))
+    seconds = time.monotonic() - started
     return WeightsCheck(
-        bad_count == 0,
-        epoch if isinstance(epoch, int) else None,
-        int(doc.get("tensors") or 0),
-        bad_count,
-        tuple(str(n) for n in doc.get("bad") or ()),
+        found.bad_count == 0,
+        found.epoch,
+        found.tensors,
+        found.bad_count,
+        found.bad,
         seconds,
-        load_s=doc.get("load_s"),
-        scan_s=doc.get("scan_s"),
+        scan_s=seconds,
+        bytes_read=found.bytes_read,
     )
-
-
-async def check_weights(
-    path: Path, *, python: str = sys.executable, timeout_s: float = CHECK_TIMEOUT_S
-) -> WeightsCheck:
-    """Look at every floating tensor of the checkpoint ``path`` in a child process (its own
-    session, killed with its group past ``timeout_s``). Never raises for a bad file or child."""
-    run = await run_check_child(
-        [python, "-m", "agent.trainer.finite_entry", str(path)], timeout_s=timeout_s
-    )
-    if run.failure == "start":
-        why = f"cannot start the check: {run.why}"
-        return WeightsCheck(None, None, 0, 0, (), run.elapsed_s, error=why)
-    if run.failure == "timeout":
-        why = f"the check {run.why}"
-        return WeightsCheck(None, None, 0, 0, (), run.elapsed_s, error=why)
-    return _answer(run.stdout, run.returncode, run.elapsed_s)
 
 
 def is_torch_checkpoint(path: Path) -> bool:
     """A zip whose ``data.pkl`` is a pickle (what ``torch.save`` writes): anything else is not
-    worth a child that imports torch (it could only answer "cannot tell")."""
+    worth a copy and a check (it could only answer "cannot tell")."""
     try:
         with zipfile.ZipFile(path) as zf:
             name = next((n for n in zf.namelist() if n.rpartition("/")[2] == "data.pkl"), None)
