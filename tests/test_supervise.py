@@ -296,6 +296,35 @@ def test_a_trainer_that_dies_before_its_run_dir_exists_is_relaunched_by_the_jobs
     assert not (tmp_path / "runs" / "run1").exists()
 
 
+def test_a_run_dir_left_with_no_checkpoint_is_trained_in_not_beside(tmp_path: Path) -> None:
+    # A trainer of this job that ended before its first save and was never read back (its
+    # pid unrecorded) leaves runs/run1 with a log and no weights: the next launch trains in
+    # it (exist_ok=true) instead of LibreYOLO making run12 beside it.
+    left = tmp_path / "runs" / "run1"
+    (left / "weights").mkdir(parents=True)
+    (left / "train.log").write_text("started\n")
+    run = Run(tmp_path, make_job(tmp_path), ScriptedLauncher(epoch_s=0.05))
+    assert run.go() == 0
+    (argv,) = run.launcher.launched
+    assert "name=run1" in argv and "exist_ok=true" in argv and "resume=true" not in argv
+    assert_completed_in_one_run_dir(run, 5)
+    log = (tmp_path / "state" / "agent.log").read_text()
+    assert "already there with no checkpoint" in log
+
+
+def test_a_run_dir_holding_checkpoints_is_never_trained_over(tmp_path: Path) -> None:
+    # Another run's checkpoints in runs/run1 (no record of it in this state dir): the launch
+    # is the plain one, and LibreYOLO's own rule puts the new run beside it.
+    kept = tmp_path / "runs" / "run1" / "weights" / "last.pt"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"an earlier run's weights")
+    run = Run(tmp_path, make_job(tmp_path), ScriptedLauncher(epoch_s=0.05))
+    assert run.go() == 0
+    (argv,) = run.launcher.launched
+    assert "exist_ok=true" not in argv
+    assert kept.read_bytes() == b"an earlier run's weights"
+
+
 def wait_for_first_crash(run: Run) -> Coroutine[Any, Any, None]:
     async def crashed() -> None:
         await wait_for(

@@ -53,6 +53,8 @@ async def launch(ctx: RunContext, argv: list[str] | None = None) -> Reason | Non
         except AlreadyDone as exc:
             ctx.state.cause = str(exc)
             return Reason.COMPLETED
+    if argv is None:
+        argv = _reuse_empty_run_dir(ctx)
     try:
         ctx.trainer = await start_once(
             ctx.launcher,
@@ -284,6 +286,26 @@ async def resume_or_not(
     if failed is not None:
         return Relaunch(False, failed)
     return Relaunch(True)
+
+
+def _reuse_empty_run_dir(ctx: RunContext) -> list[str] | None:
+    """A fresh launch whose run dir (``runs_dir/name``) is already there with no checkpoint in
+    it (a trainer of this job that died before its first save, its pid never read back):
+    train in it, with ``exist_ok=true``, instead of letting LibreYOLO make ``run12`` beside it
+    (one job, one run dir). A dir with a checkpoint is left to LibreYOLO's rule: nothing in it
+    is overwritten. None: the plain command line."""
+    run_dir = ctx.job.job.runs_dir / ctx.job.job.name
+    try:
+        if not run_dir.is_dir() or any((run_dir / "weights").glob("*.pt")):
+            return None
+    except OSError:
+        return None
+    log.warning(
+        "%s is already there with no checkpoint (a trainer of this job that ended before its "
+        "first save): training in it instead of beside it",
+        run_dir,
+    )
+    return _fresh_argv_in(ctx, run_dir)
 
 
 def _fresh_argv_in(ctx: RunContext, run_dir: Path) -> list[str]:
