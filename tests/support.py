@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -174,3 +179,42 @@ async def post_stop(base: str, state_dir: Path) -> None:
         session.post(f"{base}/stop", headers={"Authorization": f"Bearer {token}"}) as r,
     ):
         assert r.status == 200
+
+
+def built_once(factory: pytest.TempPathFactory, key: str, build: Callable[[Path], None]) -> Path:
+    """A folder ``build`` fills once per test session, shared by every xdist worker (a file
+    lock in the session's shared temp root): what several test modules need and takes a real
+    training or install to make. Read it, never change it: other tests read it too."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's root, above each worker's own
+    target = base / f"once-{key}"
+    with open(base / f"once-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / ".built").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            build(target)
+            (target / ".built").touch()
+    return target
+
+
+def tiny_trained_checkpoint(factory: pytest.TempPathFactory) -> Path:
+    """The ``last.pt`` of one epoch of the real ``libreyolo train`` (yolox-n from scratch, 64
+    px, the demo dataset, CPU), made once per session (:func:`built_once`)."""
+
+    def train(root: Path) -> None:
+        from agent import demo
+
+        exe = shutil.which("libreyolo", path=str(Path(sys.executable).parent))
+        assert exe is not None, "the training stack (libreyolo) is not installed"
+        data = demo.make_dataset(root / "ds")
+        argv = [exe, "train", "model=yolox-n", "pretrained=false", f"data={data}"]
+        argv += ["epochs=1", "imgsz=64", "batch=4", "workers=0", "device=cpu"]
+        argv += [f"project={root / 'runs'}", "name=t1", "json=true"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        shutil.copyfile(result["last_weights"], root / "last.pt")
+
+    return built_once(factory, "yolox-n-1-epoch", train) / "last.pt"

@@ -27,7 +27,9 @@ import pytest
 from tests.fakes.hub import run_fake_hub
 from tests.fakes.torch_index import CPU_PAGES, cpu_index
 
-#: One worker builds this file's module fixture (a real install) and runs every test using it;
+#: One worker builds this file's fixture (a real install) and runs every test using it (the
+#: fixture is the session's, so tests of other files that the worker runs in between do not
+#: make it build again, as a module's fixture would);
 #: the README's test command distributes with `--dist loadgroup`.
 pytestmark = pytest.mark.xdist_group("install")
 
@@ -175,7 +177,7 @@ def snapshot(venv: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
     """A venv made by install.sh (pip's own configuration and cache), run twice."""
     root = tmp_path_factory.mktemp("install")

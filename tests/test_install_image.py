@@ -32,7 +32,9 @@ from packaging.requirements import Requirement
 from tests.fakes import wheels
 from tests.fakes.image_torch import image_venv, write_dist, write_torch
 
-#: One worker builds this file's module fixture (a real install) and runs every test using it;
+#: One worker builds this file's fixture (a real install) and runs every test using it (the
+#: fixture is the session's, so tests of other files that the worker runs in between do not
+#: make it build again, as a module's fixture would);
 #: the README's test command distributes with `--dist loadgroup`.
 pytestmark = pytest.mark.xdist_group("install_image")
 
@@ -91,7 +93,7 @@ def site_of(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     """The image venv, the wheel folder, a fake nvidia-smi, and install.sh run twice."""
     root = tmp_path_factory.mktemp("h200")

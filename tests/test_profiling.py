@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import stat
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -28,6 +27,7 @@ from agent.watch.profiling import (
     plan_profile,
     run_profile,
 )
+from tests.support import tiny_trained_checkpoint
 
 LIBREYOLO = shutil.which("libreyolo", path=str(Path(sys.executable).parent)) or shutil.which(
     "libreyolo"
@@ -222,19 +222,13 @@ def test_no_json_is_no_verdict(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the real profiler, CPU
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny dataset and the ``last.pt`` of a 1-epoch yolox-n CPU train from scratch."""
+    """A tiny dataset and the ``last.pt`` of a 1-epoch yolox-n CPU train from scratch (the
+    checkpoint made once a session, the dataset this module's own)."""
     assert LIBREYOLO is not None
-    root = tmp_path_factory.mktemp("prof")
-    data = demo.make_dataset(root / "ds")
-    argv = [LIBREYOLO, "train", "model=yolox-n", "pretrained=false", f"data={data}"]
-    argv += ["epochs=1", "imgsz=64", "batch=4", "workers=0", f"device={DEVICE}"]
-    argv += [f"project={root / 'runs'}", "name=t1", "json=true"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return data, Path(result["last_weights"])
+    data = demo.make_dataset(tmp_path_factory.mktemp("prof") / "ds")
+    return data, tiny_trained_checkpoint(tmp_path_factory)
 
 
 @requires_libreyolo

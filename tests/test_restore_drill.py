@@ -31,7 +31,7 @@ from agent.status import report
 from agent.sync.restore import run_drill
 from agent.trainer.loadcheck import check_loads
 from tests.fakes.providers import run_fake_vast
-from tests.support import tiny_job
+from tests.support import tiny_job, tiny_trained_checkpoint
 
 VAST_KEY = "vast-account-key-0123456789"
 
@@ -140,20 +140,10 @@ def test_a_drill_that_times_out_turns_the_destroy_into_a_stop(
 # ----------------------------------------------------------------- the drill alone
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory, dataset: Path) -> Path:
-    """A real yolox-n checkpoint from one epoch of ``libreyolo train``."""
-    import subprocess
-
-    tmp = tmp_path_factory.mktemp("train")
-    exe = shutil.which("libreyolo", path=str(Path(sys.executable).parent))
-    assert exe is not None
-    args = [exe, "train", "model=yolox-n", f"data={dataset}", "epochs=1", "imgsz=64", "batch=4"]
-    args += ["workers=0", "device=cpu", "pretrained=false", f"project={tmp}", "name=run"]
-    subprocess.run(args, check=True, capture_output=True, timeout=1200, cwd=tmp)
-    found = sorted(tmp.rglob("last.pt"))
-    assert found, "libreyolo train wrote no last.pt"
-    return found[0]
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real yolox-n checkpoint from one epoch of ``libreyolo train`` (made once a session)."""
+    return tiny_trained_checkpoint(tmp_path_factory)
 
 
 def target_with(tmp: Path, checkpoint: Path) -> LocalSink:
