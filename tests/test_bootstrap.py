@@ -44,7 +44,7 @@ MARK = "LIBREYOLO_TEST_BOOTSTRAP_MARK"
 BOX_PATHS = ("/opt/libreyolo-agent", "/etc/libreyolo-agent", "/var/lib/libreyolo-agent")
 
 # One worker builds the module fixtures (a git repo, a venv) and runs every test of the file
-# (the README's test command distributes with `--dist loadgroup`).
+# (the README's test command distributes with `--dist loadfile`).
 pytestmark = [
     pytest.mark.skipif(shutil.which("git") is None, reason="needs git"),
     pytest.mark.xdist_group("bootstrap"),

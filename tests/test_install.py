@@ -30,7 +30,7 @@ from tests.fakes.torch_index import CPU_PAGES, cpu_index
 #: One worker builds this file's fixture (a real install) and runs every test using it (the
 #: fixture is the session's, so tests of other files that the worker runs in between do not
 #: make it build again, as a module's fixture would);
-#: the README's test command distributes with `--dist loadgroup`.
+#: the README's test command distributes with `--dist loadfile`.
 pytestmark = pytest.mark.xdist_group("install")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ from tests.fakes.image_torch import image_venv, write_dist, write_torch
 #: One worker builds this file's fixture (a real install) and runs every test using it (the
 #: fixture is the session's, so tests of other files that the worker runs in between do not
 #: make it build again, as a module's fixture would);
-#: the README's test command distributes with `--dist loadgroup`.
+#: the README's test command distributes with `--dist loadfile`.
 pytestmark = pytest.mark.xdist_group("install_image")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
