@@ -18,10 +18,12 @@ the supervisor, its forked job check (it reads the job file and exits, before th
 the agent (``agent.cli run``), the guard (``python -m agent.guard``), the NVML host
 (``agent/gpu/nvml.py``), and the restore drill's child before the destroy
 (``agent.trainer.loadcheck_entry``: it imports torch, after the trainer exited; a second sum
-is printed without it); the trainer, the torch probe and this bench are not ours to count. PSS
-counts a page shared by N processes as 1/N in each, so the sum of PSS is what they cost the box
-together. Printed: per process its peak PSS and RSS (and Pss_Anon, the part no other process
-shares), and the peak of the sum over the samples taken at the same moment.
+is printed without it), and in a tree before this round's torch-free weights check its child
+per epoch (``agent.trainer.finite_entry``, for a before/after); the trainer, the torch probe
+and this bench are not ours to count. PSS counts a page shared by N processes as 1/N in each,
+so the sum of PSS is what they cost the box together. Printed: per process its peak PSS and RSS
+(and Pss_Anon, the part no other process shares), and the peak of the sum over the samples
+taken at the same moment.
 
 The NVML host: on a box with a driver it is the real one. Without one (``--nvml auto`` on a CPU
 box) the bench compiles the stand-in ``libnvidia-ml.so.1`` of tests/fakes/nvml/ (needs ``cc``)
@@ -61,7 +63,15 @@ VAST_KEY = "vast-instance-key-bench-pss-0123456789"
 INSTANCE = "2626"
 GOAL_SUM_MIB = 80.0
 GOAL_AGENT_MIB = 64.0
-ROLES = ("supervisor", "job check", "agent", "guard", "nvml host", "restore drill")
+ROLES = (
+    "supervisor",
+    "job check",
+    "agent",
+    "guard",
+    "nvml host",
+    "weights check",
+    "restore drill",
+)
 #: A role whose process lives only after the trainer exited, for a destroy (README, "The restore
 #: drill"): it imports torch and LibreYOLO. Counted in the sum; a second sum without it says what
 #: the box pays while it trains.
@@ -77,6 +87,8 @@ def role_of(cmdline: list[str]) -> str | None:
         return "nvml host"
     if "agent.trainer.loadcheck_entry" in args:
         return "restore drill"
+    if "agent.trainer.finite_entry" in args:  # a tree before the torch-free check: per epoch
+        return "weights check"
     if "agent.guard" in args:
         return "guard"
     if "agent.cli" in args or any(a.endswith("libreyolo-agent") for a in args):
@@ -417,6 +429,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         if not pids and role == "guard":
             where = "a thread of the supervisor (agent/guard/hosted.py)"
             lines.append(f"| guard | {where} | - | - | - |")
+            continue
+        if not pids and role == "weights check":
+            lines.append(f"| {role} | a thread of the agent (no torch) | - | - | - |")
             continue
         if not pids and role == AFTER_TRAINING:
             lines.append(f"| {role} | not run (no destroy, or the drill is off) | - | - | - |")
