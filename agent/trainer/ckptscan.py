@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-#: Bytes read at a time from a storage (a multiple of every element size).
-CHUNK = 1 << 20
+#: Bytes read at a time from a storage (a multiple of every element size; under glibc's mmap
+#: threshold, so the same few blocks of the arena serve every chunk).
+CHUNK = 64 << 10
 #: ``data.pkl`` of a detection checkpoint is tens of KiB; past this it is not one we read.
 MAX_PICKLE = 64 << 20
 #: Names of non-finite tensors given in the answer (the count is always whole).
