@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import io
 import json
 import os
 import signal
+import sys
 import time
+import traceback
 import zipfile
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -77,6 +80,17 @@ def make_job(
     return tiny_job(tmp, data, epochs=epochs, sections=text)
 
 
+def where_it_waits() -> str:
+    """Every asyncio task's stack and every thread's, for a run that hung."""
+    out = io.StringIO()
+    for t in asyncio.all_tasks():
+        out.write(f"--- task {t.get_name()}\n")
+        t.print_stack(limit=8, file=out)
+    for ident, frame in sys._current_frames().items():
+        out.write(f"--- thread {ident}\n{''.join(traceback.format_stack(frame, limit=8))}")
+    return out.getvalue()
+
+
 class Run:
     """One agent, in this loop, with the scripted launcher."""
 
@@ -114,7 +128,12 @@ class Run:
         task = asyncio.create_task(self.daemon.run(shutdown_trigger=self.shutdown))
         side = asyncio.create_task(during(self)) if during is not None else None
         try:
-            code = await asyncio.wait_for(asyncio.shield(task), WAIT_S)
+            try:
+                code = await asyncio.wait_for(asyncio.shield(task), WAIT_S)
+            except TimeoutError:
+                # A run that should take a second hung: say where each task and thread waits
+                # (seen once under load: test_new_box, epoch 5's milestone never queued).
+                raise TimeoutError(f"the run took over {WAIT_S:.0f}s\n{where_it_waits()}") from None
         finally:
             if side is not None and not side.done():
                 side.cancel()
