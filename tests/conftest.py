@@ -38,14 +38,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("training") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(TRAINING_TIMEOUT_S))
 
-    # The long poles first: a file held on one worker (its module fixture is a real install,
-    # minutes long), then the tests that train. xdist hands out work in this order, so they run
-    # beside the short tests instead of alone at the end. A stable sort: each group keeps its
-    # order (every worker collects the same).
-    def pole(item: pytest.Item) -> int:
+    # The long poles first. The suite runs each file on one worker (`--dist loadfile`), handed
+    # out in the order of the files' first tests: a file whose fixture is a real install
+    # (its xdist_group mark), then the files with the most tests that train (test_daemon,
+    # test_restart...: minutes each), then the rest. So the heavy files run beside the short
+    # ones instead of alone at the end. A stable sort: every worker collects the same order.
+    training: dict[str, int] = {}
+    grouped: set[str] = set()
+    for item in items:
+        path = item.nodeid.partition("::")[0]
+        if item.get_closest_marker("training"):
+            training[path] = training.get(path, 0) + 1
         if item.get_closest_marker("xdist_group"):
-            return 0
-        return 1 if item.get_closest_marker("training") else 2
+            grouped.add(path)
+
+    def pole(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.partition("::")[0]
+        return (0 if path in grouped else 1, -training.get(path, 0))
 
     items.sort(key=pole)
 
