@@ -408,6 +408,7 @@ def box_processes(state_dir: Path, runs: Path) -> list[psutil.Process]:
 
 
 @pytest.mark.training
+@pytest.mark.long
 @requires_libreyolo
 def test_a_relaunch_on_a_fresh_box_resumes_from_the_targets_last_pt_under_one_run_id(
     tmp_path: Path, dataset: Path

@@ -202,7 +202,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.install
+@pytest.mark.long
 def test_a_second_install_changes_nothing(installed: tuple[Path, list[str]]) -> None:
     venv, (first, second) = installed
     assert "Successfully installed" in first and "no nvidia-smi: a CPU machine" in first
@@ -217,7 +217,7 @@ def test_a_second_install_changes_nothing(installed: tuple[Path, list[str]]) -> 
 
 @pytest.mark.timeout(3000)
 @pytest.mark.training
-@pytest.mark.install
+@pytest.mark.long
 def test_the_demo_job_runs_from_the_install(
     installed: tuple[Path, list[str]], tmp_path: Path
 ) -> None:

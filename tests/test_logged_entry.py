@@ -155,6 +155,7 @@ def _wait(proc: subprocess.Popen[bytes], done: Callable[[], bool]) -> None:
 
 
 @pytest.mark.training
+@pytest.mark.long
 @requires_libreyolo
 @requires_loggers
 def test_a_stopped_and_resumed_trainer_is_one_run_in_mlflow_tensorboard_and_wandb(
@@ -249,6 +250,7 @@ def assert_one_run_with_every_epoch(tmp: Path, run_dir: Path, key: str) -> None:
 
 
 @pytest.mark.training
+@pytest.mark.long
 @requires_libreyolo
 @requires_loggers
 def test_the_agent_resumes_a_killed_trainer_into_the_same_tracker_runs(

@@ -130,6 +130,7 @@ def test_beam_image_lists_the_agents_requirements() -> None:
 
 
 @pytest.mark.training
+@pytest.mark.long
 @pytest.mark.parametrize("example", ["modal_train.py", "beam_train.py"])
 def test_serverless_example_runs_the_demo_job(example: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
