@@ -453,3 +453,84 @@ def test_lost_inotify_events_drop_every_finished_copy(
     assert snap is not None and snap.path.read_bytes() == src.read_bytes()
     assert copies.n == 1 and f.claimed == 0
     assert snaps.files() == [snap.path]  # the dropped copy is gone
+
+
+def test_a_chunk_given_as_the_hasher_closes_is_hashed_not_left_behind_the_stop_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The interleaving that hung a claim: update() has decided its thread is alive, close()
+    then puts the stop mark and the thread ends, and only then the chunk goes in. The pause
+    between the decision and the put is injected (a scheduler does it rarely, nothing else
+    does it on demand); close() is let go on when it returns or after 0.5 s, whichever is
+    first (it may rightly wait for the chunk's put)."""
+    import queue as queue_mod
+
+    from agent.sync import follow
+
+    paused = threading.Event()
+    go_on = threading.Event()
+
+    class PausingQueue(queue_mod.Queue):  # type: ignore[type-arg]
+        hold = False
+
+        def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+            if item is not None and PausingQueue.hold:
+                PausingQueue.hold = False
+                paused.set()
+                go_on.wait(10)
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(follow.queue, "Queue", PausingQueue)
+    hasher = follow._Hasher()
+    sha = hashlib.sha256()
+    hasher.update(sha, b"first")  # the thread runs
+    PausingQueue.hold = True
+    giver = threading.Thread(target=hasher.update, args=(sha, b"second"), daemon=True)
+    giver.start()
+    assert paused.wait(10)
+    closer = threading.Thread(target=hasher.close, daemon=True)
+    closer.start()
+    closer.join(timeout=0.5)
+    go_on.set()
+    giver.join(timeout=10)
+    closer.join(timeout=10)
+    waiter = threading.Thread(target=hasher.wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() blocks: the chunk sits behind the stop mark, unread"
+    assert sha.hexdigest() == hashlib.sha256(b"firstsecond").hexdigest()
+    hasher.close()
+
+
+def test_chunks_given_while_the_hasher_closes_are_all_hashed() -> None:
+    """The follower's thread may still hash after close() gave up waiting for it (5 s): a chunk
+    given beside close()'s stop mark must be hashed by some thread, never left behind the
+    mark, where wait() would block the agent's claim for ever."""
+    from agent.sync.follow import _Hasher
+
+    hasher = _Hasher()
+    shas = [hashlib.sha256() for _ in range(6)]
+    chunks = [os.urandom(64) for _ in range(300)]
+    stop = threading.Event()
+
+    def give(sha: object) -> None:
+        for chunk in chunks:
+            hasher.update(sha, chunk)
+
+    givers = [threading.Thread(target=give, args=(sha,)) for sha in shas]
+    for t in givers:
+        t.start()
+    closer = threading.Thread(target=lambda: [hasher.close() for _ in iter(stop.is_set, True)])
+    closer.start()
+    for t in givers:
+        t.join(timeout=30)
+    stop.set()
+    closer.join(timeout=30)
+    assert not any(t.is_alive() for t in givers), "a giver blocked on a queue no thread reads"
+    waiter = threading.Thread(target=hasher.wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() blocks: a chunk was left where no thread takes it"
+    whole = hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert [sha.hexdigest() for sha in shas] == [whole] * len(shas)
+    hasher.close()

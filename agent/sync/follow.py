@@ -76,19 +76,32 @@ HASH_QUEUE = 16
 class _Hasher:
     """sha256 on a thread of its own, in the order given: hashlib lets go of the GIL, so the
     follower's copy and CRC-32 pass (which let go of it too) run beside it, on another core.
-    At most ``HASH_QUEUE`` chunks wait: a slow hash slows the copy, never grows memory."""
+    At most ``HASH_QUEUE`` chunks wait: a slow hash slows the copy, never grows memory.
+
+    A chunk is put under the same lock as :meth:`close`'s stop mark, and a thread started
+    after a close first waits for the one before it to reach that mark: a chunk given while
+    the follower closes (its thread may outlive close's 5 s wait) is hashed in order by
+    exactly one thread, never left behind the mark where no thread takes it and :meth:`wait`
+    would wait for ever."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[tuple[Any, bytes] | None] = queue.Queue(maxsize=HASH_QUEUE)
         self._thread: threading.Thread | None = None
+        self._closed: threading.Thread | None = None  # the thread a close() told to stop
         self._guard = threading.Lock()
 
     def update(self, sha: Any, data: bytes) -> None:
         with self._guard:
             if self._thread is None:
+                if self._closed is not None:
+                    # It hashes what came before its stop mark (HASH_QUEUE chunks at most)
+                    # and takes no lock: one reader of the queue at a time keeps the order.
+                    self._closed.join()
+                    self._closed = None
                 self._thread = threading.Thread(target=self._run, name="follow-hash", daemon=True)
                 self._thread.start()
-        self._queue.put((sha, data))
+            # Blocks while HASH_QUEUE chunks wait; the thread takes them without the lock.
+            self._queue.put((sha, data))
 
     def wait(self) -> None:
         """Until every chunk given so far is hashed."""
@@ -97,8 +110,10 @@ class _Hasher:
     def close(self) -> None:
         with self._guard:
             thread, self._thread = self._thread, None
+            if thread is not None:
+                self._closed = thread
+                self._queue.put(None)
         if thread is not None:
-            self._queue.put(None)
             thread.join(timeout=5)
 
     def _run(self) -> None:
