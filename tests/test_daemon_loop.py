@@ -135,6 +135,12 @@ async def started(daemon: Daemon) -> None:
     await wait_for(lambda: daemon.status is not None, timeout=10)
 
 
+def tracked_epochs(daemon: Daemon) -> int | None:
+    """The completed epochs the stall watch (the progress tracker) has seen."""
+    progress = daemon.progress
+    return None if progress is None else progress.snapshot()["completed_epochs"]
+
+
 @pytest.mark.parametrize(
     ("limits", "advance", "reason", "words"),
     [
@@ -151,8 +157,12 @@ def test_a_breached_limit_stops_the_trainer_once_and_names_itself(
     async def main() -> int:
         task = asyncio.create_task(daemon.run())
         await started(daemon)
+        # The progress tracker reads status.json on its own turn, after the daemon's status:
+        # the clock moves only once it saw epoch 0 and then epoch 1 (an epoch it first saw
+        # after the jump would be timed at 599.5 s and would move the threshold with it).
+        await wait_for(lambda: tracked_epochs(daemon) == 0)
         write_status(trainer.run_dir, "running", 1)
-        await wait_for(lambda: daemon.status is not None and daemon.status.completed_epochs == 1)
+        await wait_for(lambda: tracked_epochs(daemon) == 1)
         clock.now += advance - 1.0
         await asyncio.sleep(0.1)
         assert not trainer.stops, "nothing fires a second early"
