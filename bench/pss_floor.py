@@ -11,8 +11,9 @@ Figures only, nothing asserted. Each row is a fresh child process that reads its
   the calls the agent makes), then glibc's ``malloc_trim(0)``, for ``nvmlInitWithFlags(0)`` and
   ``(2)`` (``NVML_INIT_FLAG_NO_ATTACH``), each with and without ``MALLOC_ARENA_MAX=1``; and the
   largest mappings after the init (which library, or ``[anon]``).
-- ``--agent``: the agent's imports (the daemon, the Hub sink, the preflight), then
-  ``gc.collect()`` and ``malloc_trim(0)``.
+- ``--agent``: the agent's imports (the daemon, the Hub sink, the preflight) step by step, each
+  third-party stack in the order the agent's modules bring it (asyncio, aiohttp's client, its
+  server, the Hub client's HTTP stack, ``HfApi``), then ``gc.collect()`` and ``malloc_trim(0)``.
 """
 
 from __future__ import annotations
@@ -90,7 +91,17 @@ say("malloc_trim(0)")
 _AGENT = r"""
 say("python")
 sys.path.insert(0, sys.argv[1])
-import agent.daemon.spine, agent.sinks.hf, agent.preflight.runner  # noqa
+import importlib
+# In the order the agent's own imports would bring them, each step's cost on top of the last.
+for step in ("asyncio", "psutil yaml watchdog.observers", "aiohttp", "aiohttp.web",
+             "httpx2 huggingface_hub", "huggingface_hub.hf_api", "agent.sinks.hf",
+             "agent.preflight.runner", "agent.daemon.spine"):
+    for name in step.split():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            print(f"  ({name}: {exc})")
+    say("+ " + step)
 say("agent's imports")
 import gc; gc.collect(); trim()
 say("gc.collect(), malloc_trim(0)")
