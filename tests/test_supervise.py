@@ -627,6 +627,32 @@ def test_sigterm_declared_a_notice_saves_last_pt_and_exits_and_the_next_agent_re
     assert_completed_in_one_run_dir(second, 5)
 
 
+def test_a_save_now_labels_last_pt_with_the_epoch_status_json_says_now(tmp_path: Path) -> None:
+    """A notice or a stall saves last.pt as it is on disk: its label is the epoch status.json
+    says at that moment, not the agent's last poll of it (seen in the suite: a trainer that had
+    written epoch 2 while the poll still said 1 was saved, verified and reported as epoch 1)."""
+    job = every_10(make_job(tmp_path))
+    run = Run(tmp_path, job, ScriptedLauncher(epoch_s=0.1, pause_at=3))
+    seen: dict[str, Any] = {}
+
+    async def during(run: Run) -> None:
+        await run.paused()  # epoch 2's last.pt and status.json are written
+        sync = run.daemon.sync
+        assert sync is not None and run.daemon.status is not None
+        # The poll that has not read epoch 2 yet, which the scheduler makes now and then.
+        run.daemon.status = dataclasses.replace(run.daemon.status, completed_epochs=1)
+        await run.daemon.ctx.save_now()
+        await sync.drain(WAIT_S)
+        seen["saved"] = sync.verified_remote("weights/last.pt")
+        run.resume_trainer()
+
+    assert run.go(during) == 0
+    saved = seen["saved"]
+    assert saved is not None, "last.pt was not verified on the target after the save"
+    assert saved.epoch == 2
+    assert ckpt_epoch(tmp_path / "synced" / "weights" / "last.pt") == 5  # the final sync's
+
+
 # ------------------------------------------------------------------------------ hung at exit
 
 

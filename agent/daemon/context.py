@@ -30,7 +30,7 @@ from agent.state import RunState, StateStore
 from agent.status.notify import Notifier
 from agent.sync.engine import AGENT_FILES, SyncEngine
 from agent.trainer.process import Launcher, TrainerProcess
-from agent.trainer.rundir import RunStatus
+from agent.trainer.rundir import RunStatus, read_status
 from agent.util.text import os_error
 from agent.watch.preemption import Notice, PreemptionWatcher
 from agent.watch.progress import ProgressTracker
@@ -160,8 +160,15 @@ class RunContext:
         """Queue ``last.pt`` (and ``best.pt``) at once, whatever the sync policy's schedule:
         a stop, a stall or a notice is coming."""
         if self.sync is not None and self.run_dir is not None:
-            epoch = self.status.completed_epochs if self.status else None
-            await self.sync.save_now(self.run_dir, epoch)
+            # The label is the epoch the files hold as far as can be known: status.json read
+            # now, not the last poll's (a trainer that wrote epoch N and its status since then
+            # would be saved as N-1). LibreYOLO writes the checkpoint before the status, so
+            # the label may still say one less than the bytes, never more.
+            epochs = [s.completed_epochs for s in (self.status,) if s is not None]
+            fresh = await asyncio.to_thread(read_status, self.run_dir)
+            if fresh is not None:
+                epochs.append(fresh.completed_epochs)
+            await self.sync.save_now(self.run_dir, max(epochs) if epochs else None)
 
     async def sync_reports(self) -> None:
         """A box that failed before training is usually destroyed at once: get the reason off
