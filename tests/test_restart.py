@@ -67,7 +67,9 @@ def job_toml(
     train: str = "",
 ) -> Path:
     """The tiny CPU job as a file, for the agent run as a real process (``libreyolo-agent run``).
-    ``train`` adds lines to [train], ``extra`` to [sync]."""
+    ``train`` adds lines to [train], ``extra`` to [sync]. As :func:`tests.support.tiny_job`,
+    the dataset doctor and the restore drill (each a LibreYOLO start-up in a child, on for
+    users) are off: their own tests turn them on."""
     path = tmp / "job.toml"
     path.write_text(
         f"""
@@ -94,6 +96,10 @@ listen = "127.0.0.1:0"
 [sync]
 target = "file://{tmp / "synced"}"
 {extra}
+[dataset]
+doctor = false
+[teardown]
+require_restore_drill = false
 """
     )
     return path

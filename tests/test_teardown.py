@@ -83,6 +83,7 @@ upload_timeout = "2s"
 [teardown]
 provider = "vast"
 api_url = "{fake.url}"
+require_restore_drill = false
 """
 
 
