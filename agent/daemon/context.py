@@ -164,11 +164,9 @@ class RunContext:
             # now, not the last poll's (a trainer that wrote epoch N and its status since then
             # would be saved as N-1). LibreYOLO writes the checkpoint before the status, so
             # the label may still say one less than the bytes, never more.
-            epochs = [s.completed_epochs for s in (self.status,) if s is not None]
             fresh = await asyncio.to_thread(read_status, self.run_dir)
-            if fresh is not None:
-                epochs.append(fresh.completed_epochs)
-            await self.sync.save_now(self.run_dir, max(epochs) if epochs else None)
+            epochs = [s.completed_epochs for s in (self.status, fresh) if s is not None]
+            await self.sync.save_now(self.run_dir, max(epochs, default=None))
 
     async def sync_reports(self) -> None:
         """A box that failed before training is usually destroyed at once: get the reason off
