@@ -97,8 +97,10 @@ def _demo_only_options(args: argparse.Namespace) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.util.arenas import limit_arenas
+    from agent.util.lean import keep_out
 
     limit_arenas()  # before any thread allocates (agent/util/arenas.py)
+    keep_out()  # before the Hub client is imported (agent/util/lean.py)
     refused = _demo_only_options(args)
     for message in refused:
         err(message)

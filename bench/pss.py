@@ -80,6 +80,8 @@ AFTER_TRAINING = "restore drill"
 
 def role_of(cmdline: list[str]) -> str | None:
     """Which process of ours this command line is, None for any other (the trainer, a probe)."""
+    if cmdline and Path(cmdline[0]).name.startswith("nvmlhost-"):
+        return "nvml host"  # the C host (agent/gpu/nvmlhost.c), built into the cache folder
     if not cmdline or "python" not in Path(cmdline[0]).name:
         return None
     args = cmdline[1:]

@@ -243,7 +243,8 @@ class P1Run:
 
 
 def nvml_hosts(parent: int) -> set[int]:
-    """The NVML hosts (``python -I -S .../agent/gpu/nvml.py``) among ``parent``'s children."""
+    """The NVML hosts (the C host ``.../nvmlhost-<digest>``, or ``python -I -S
+    .../agent/gpu/nvml.py``) among ``parent``'s children."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{parent}/task").iterdir():
@@ -251,7 +252,9 @@ def nvml_hosts(parent: int) -> set[int]:
                 for pid in (task / "children").read_text().split():
                     with contextlib.suppress(OSError):
                         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        if any(a.endswith(b"agent/gpu/nvml.py") for a in argv):
+                        if argv[0].rsplit(b"/", 1)[-1].startswith(b"nvmlhost-") or any(
+                            a.endswith(b"agent/gpu/nvml.py") for a in argv
+                        ):
                             found.add(int(pid))
     return found
 

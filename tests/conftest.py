@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +18,12 @@ os.environ["HF_HUB_DISABLE_XET"] = "1"
 # thread per core in each, and they would spin against each other. One thread per trainer here;
 # a user's trainer keeps torch's own choice (the agent sets nothing).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What the agent builds (the C NVML host, agent/gpu/nvmlhost.py) goes to a folder of the suite's,
+# not the user's ~/.cache: shared by the workers (a build is an atomic rename), per user.
+os.environ.setdefault(
+    "LIBREYOLO_AGENT_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"libreyolo-agent-tests-cache-{os.getuid()}"),
+)
 
 
 #: The per-test cap of a test that trains for real (``@pytest.mark.training``), unless it names

@@ -1,7 +1,8 @@
-"""NVML through the NVML host process (agent/gpu/nvml.py, agent/gpu/nvmlhost.py), for real: the
-host is
-a real ``python -I -S agent/gpu/nvml.py`` that loads, through ctypes and the dynamic loader, a
-``libnvidia-ml.so.1`` found on ``LD_LIBRARY_PATH``. This machine has no driver, so that library
+"""NVML through the NVML host process (agent/gpu/nvml.py, agent/gpu/nvmlhost.py,
+agent/gpu/nvmlhost.c), for real: the host is the C program agent/gpu/nvmlhost.py builds with the
+box's ``cc``, or a real ``python -I -S agent/gpu/nvml.py`` (the ``host`` fixture runs each test
+with both), that loads, through the dynamic loader, a ``libnvidia-ml.so.1`` found on
+``LD_LIBRARY_PATH``. This machine has no driver, so that library
 is tests/fakes/nvml/fake_nvml.c, compiled here: NVML's C symbols and return codes over a box
 scripted by a control file the tests rewrite while the host runs (hangs and crashes included).
 """
@@ -28,8 +29,9 @@ import pytest
 from agent.config.model import Env
 from agent.daemon.spine import Daemon
 from agent.gpu import nvml as nv
+from agent.gpu import nvmlhost
 from agent.gpu.health import GpuMonitor
-from agent.gpu.nvmlhost import NvmlHost
+from agent.gpu.nvmlhost import HOST_ENV, NvmlHost
 from agent.preflight.driver import read_driver
 from agent.state import Reason
 from agent.util import logutil
@@ -81,11 +83,12 @@ def box(fake_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return b
 
 
-@pytest.fixture
-def host() -> Iterator[NvmlHost]:
-    h = NvmlHost(timeout_s=2.0, init_timeout_s=10.0)
+@pytest.fixture(params=["c", "python"])
+def host(request: pytest.FixtureRequest) -> Iterator[NvmlHost]:
+    h = NvmlHost(timeout_s=2.0, init_timeout_s=10.0, kind=request.param)
     yield h
     h.close()
+    assert h.started_kind in (None, request.param)
 
 
 def _maps(pid: int | str) -> str:
@@ -187,7 +190,11 @@ def test_the_monitors_samples_carry_memory_and_a_refusal_leaves_it_unknown(box: 
         gpu.close()
 
 
-def test_the_library_is_mapped_in_the_host_never_in_the_agent(box: Box) -> None:
+@pytest.mark.parametrize("kind", ["", "python"])
+def test_the_library_is_mapped_in_the_host_never_in_the_agent(
+    box: Box, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(HOST_ENV, kind)  # unset: the C host, built with the box's cc
     gpu = GpuMonitor()
     try:
         assert gpu.available
@@ -195,9 +202,16 @@ def test_the_library_is_mapped_in_the_host_never_in_the_agent(box: Box) -> None:
         assert host_pid is not None and host_pid != os.getpid()
         assert "libnvidia-ml.so.1" in _maps(host_pid)
         assert "libnvidia-ml" not in _maps("self")
-        # The host is a bare interpreter: -I -S, nothing of the agent's site-packages.
         cmdline = Path(f"/proc/{host_pid}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1:3] == [b"-I", b"-S"] and cmdline[3].endswith(b"agent/gpu/nvml.py")
+        if kind == "python":  # a bare interpreter: -I -S, nothing of the agent's site-packages
+            assert cmdline[1:3] == [b"-I", b"-S"] and cmdline[3].endswith(b"agent/gpu/nvml.py")
+            assert "libpython" in _maps(host_pid) or "python" in os.readlink(
+                f"/proc/{host_pid}/exe"
+            )
+        else:  # the C program, and no Python in it
+            assert Path(cmdline[0].decode()).name.startswith("nvmlhost-")
+            assert gpu._nvml.started_kind == "c"
+            assert "python" not in _maps(host_pid).lower()
     finally:
         gpu.close()
     assert _gone(host_pid)
@@ -374,6 +388,201 @@ def test_requests_the_host_does_not_know_are_refused_not_fatal() -> None:
     assert refused["err"] == nv.NVML_ERROR_INVALID_ARGUMENT
     assert nv.answer(lib, b"not json")["err"] == nv.NVML_ERROR_INVALID_ARGUMENT
     assert nv.answer(lib, b'{"fn": "nvmlDeviceGetIndex", "args": "x"}')["err"] == 2
+
+
+class _Talk:
+    """A host process spoken to line by line, as NvmlHost speaks to it."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=nvmlhost.host_env()
+        )
+
+    def ask(self, request: bytes | dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        line = request if isinstance(request, bytes) else json.dumps(request).encode()
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        assert isinstance(answer, dict)
+        return answer
+
+    def end(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        code = self.proc.wait(10)
+        self.proc.stdout.close()
+        return code
+
+
+def test_the_c_host_answers_every_request_as_the_python_host_does(box: Box) -> None:
+    # The two hosts side by side over the same stand-in library, request by request: the same
+    # values, the same NVML error codes and words (nvmlErrorString for a code pynvml does not
+    # name), and the same refusal code for what is not a request.
+    box.set(xids="0:79", temp=55, driver="580.159.04", cuda=13000)
+    built = nvmlhost.c_host()
+    assert built is not None, "cc is here (.ci/run installs gcc): the C host must build"
+    c, py = _Talk([str(built)]), _Talk(nvmlhost.python_host_command(sys.executable))
+
+    def both(request: bytes | dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        return c.ask(request), py.ask(request)
+
+    def call(fn: str, *args: int) -> dict[str, Any]:
+        a, b = both({"fn": fn, "args": list(args)})
+        assert a == b, (fn, a, b)
+        return a
+
+    try:
+        assert call("nvmlDeviceGetCount") == {"err": 1, "msg": "Uninitialized"}
+        assert call("nvmlInit") == {"ok": None}
+        assert call("nvmlDeviceGetCount") == {"ok": 2}
+        # Handles and event sets are addresses in each host: the same call, each its own.
+        hc, hp = both({"fn": "nvmlDeviceGetHandleByIndex", "args": [1]})
+        assert isinstance(hc["ok"], int) and isinstance(hp["ok"], int)
+        pairs = [
+            ("nvmlDeviceGetUUID", []),
+            ("nvmlDeviceGetIndex", []),
+            ("nvmlDeviceGetUtilizationRates", []),
+            ("nvmlDeviceGetMemoryInfo", []),
+            ("nvmlDeviceGetPowerUsage", []),
+            ("nvmlDeviceGetEnforcedPowerLimit", []),
+            ("nvmlDeviceGetTemperature", [nv.NVML_TEMPERATURE_GPU]),
+            ("nvmlDeviceGetTotalEccErrors", [nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, 0]),
+            ("nvmlDeviceGetCurrentClocksEventReasons", []),
+            ("nvmlDeviceGetCurrentClocksThrottleReasons", []),  # not in the stand-in: 13
+        ]
+        for fn, extra in pairs:
+            a = c.ask({"fn": fn, "args": [hc["ok"], *extra]})
+            b = py.ask({"fn": fn, "args": [hp["ok"], *extra]})
+            assert a == b, (fn, a, b)
+        assert call("nvmlSystemGetDriverVersion") == {"ok": "580.159.04"}
+        assert call("nvmlSystemGetCudaDriverVersion") == {"ok": 13000}
+        ec, ep = both({"fn": "nvmlEventSetCreate", "args": []})
+        h0c = c.ask({"fn": "nvmlDeviceGetHandleByIndex", "args": [0]})["ok"]
+        h0p = py.ask({"fn": "nvmlDeviceGetHandleByIndex", "args": [0]})["ok"]
+        xid = nv.nvmlEventTypeXidCriticalError
+        assert c.ask({"fn": "nvmlDeviceRegisterEvents", "args": [h0c, xid, ec["ok"]]}) == {
+            "ok": None
+        }
+        assert py.ask({"fn": "nvmlDeviceRegisterEvents", "args": [h0p, xid, ep["ok"]]}) == {
+            "ok": None
+        }
+        wc = c.ask({"fn": "nvmlEventSetWait", "args": [ec["ok"], 10]})
+        wp = py.ask({"fn": "nvmlEventSetWait", "args": [ep["ok"], 10]})
+        assert wc["ok"].pop("device") == h0c and wp["ok"].pop("device") == h0p
+        assert wc == wp and wc["ok"]["eventData"] == 79
+        assert c.ask({"fn": "nvmlEventSetWait", "args": [ec["ok"], 10]}) == py.ask(
+            {"fn": "nvmlEventSetWait", "args": [ep["ok"], 10]}
+        )  # each event once: a timeout now
+        box.set(mem_rc=17)  # a code pynvml has no words for: nvmlErrorString's
+        a = c.ask({"fn": "nvmlDeviceGetMemoryInfo", "args": [hc["ok"]]})
+        assert a == py.ask({"fn": "nvmlDeviceGetMemoryInfo", "args": [hp["ok"]]})
+        assert a == {"err": 17, "msg": "a fake NVML error"}
+        box.set(mem_rc=0, lost=1)
+        assert c.ask({"fn": "nvmlDeviceGetPowerUsage", "args": [hc["ok"]]}) == {
+            "err": 15,
+            "msg": "GPU is lost",
+        }
+        # Not requests: refused with INVALID_ARGUMENT, and each host keeps serving.
+        for bad in [
+            b"not json",
+            b"[1, 2]",
+            b'{"fn": "nope", "args": []}',
+            b'{"fn": "__init__", "args": []}',
+            b'{"fn": "nvmlDeviceGetIndex", "args": "x"}',
+            b'{"fn": "nvmlDeviceGetIndex", "args": ["x"]}',
+            b'{"fn": "nvmlDeviceGetIndex", "args": [1, 2, 3]}',
+            b'{"fn": "nvmlDeviceGetCount", "args": [], "trailing"',
+            b'{"args": []}',
+            b"{" + b'"a": [' * 40 + b"]" * 40 + b"}",
+        ]:
+            a, b = both(bad)
+            assert a["err"] == b["err"] == nv.NVML_ERROR_INVALID_ARGUMENT, (bad, a, b)
+            assert isinstance(a["msg"], str) and a["msg"]
+        # A line over 64 KiB, and a NUL inside a line: refused, not fatal.
+        assert c.ask(b'{"fn": "nvmlDeviceGetCount", "pad": "' + b"x" * 70000 + b'"}')["err"] == 2
+        assert c.ask(b'{"fn": "nvmlDeviceGetCount"\x00}')["err"] == 2
+        assert c.ask(b'{"fn": "nvmlDeviceGetCount", "x": {"y": [1.5e3, "a\\"b", null]}}') == {
+            "ok": 2
+        }
+        assert call("nvmlShutdown") == {"ok": None}
+    finally:
+        assert c.end() == 0 and py.end() == 0
+
+
+def test_the_c_host_is_built_once_and_kept_by_the_digest_of_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(nvmlhost.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nvmlhost, "_built", {})
+    with caplog.at_level(logging.INFO, logger="agent.gpu.nvmlhost"):
+        first = nvmlhost.c_host()
+    assert first is not None and first.parent == tmp_path / "cache"
+    assert first.name.startswith("nvmlhost-") and os.access(first, os.X_OK)
+    assert [r for r in caplog.records if "built the C NVML host" in r.getMessage()]
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+    # Another process (a fresh memo) finds the program and builds nothing.
+    monkeypatch.setattr(nvmlhost, "_built", {})
+    monkeypatch.setenv("PATH", str(tmp_path / "no-compiler-here"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="agent.gpu.nvmlhost"):
+        assert nvmlhost.c_host() == first
+    assert not [r for r in caplog.records if "built" in r.getMessage()]
+    # A changed source is another program.
+    changed = tmp_path / "nvmlhost.c"
+    changed.write_bytes(nvmlhost.C_SOURCE.read_bytes() + b"\n/* changed */\n")
+    monkeypatch.undo()
+    monkeypatch.setenv(nvmlhost.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nvmlhost, "_built", {})
+    other = nvmlhost.c_host(changed)
+    assert other is not None and other != first and other.parent == first.parent
+
+
+def test_without_a_compiler_or_with_a_failed_build_the_python_host_runs(
+    box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(nvmlhost.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nvmlhost, "_built", {})
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no cc, no gcc
+    with caplog.at_level(logging.INFO, logger="agent.gpu.nvmlhost"):
+        host = NvmlHost(timeout_s=2.0)
+        try:
+            host.nvmlInit()
+            assert host.started_kind == "python" and host.nvmlDeviceGetCount() == 2
+        finally:
+            host.close()
+    assert [r for r in caplog.records if "no C compiler" in r.getMessage()]
+    # A compiler that fails (a broken source here): a warning that names the failure.
+    monkeypatch.undo()
+    monkeypatch.setenv(nvmlhost.CACHE_ENV, str(tmp_path / "cache2"))
+    monkeypatch.setattr(nvmlhost, "_built", {})
+    broken = tmp_path / "nvmlhost.c"
+    broken.write_text("int main(void) { this is not C }\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.gpu.nvmlhost"):
+        assert nvmlhost.c_host(broken) is None
+    assert [r for r in caplog.records if "did not build" in r.getMessage()]
+    assert not (tmp_path / "cache2").exists() or not list((tmp_path / "cache2").iterdir())
+
+
+def test_the_host_kind_is_the_users_choice(
+    box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(HOST_ENV, "python")
+    assert nvmlhost.host_command(sys.executable)[0] == "python"
+    monkeypatch.setenv(HOST_ENV, "c")
+    assert nvmlhost.host_command(sys.executable)[0] == "c"
+    monkeypatch.setenv(HOST_ENV, "rust")  # not a kind: the default, with a warning
+    assert nvmlhost.host_command(sys.executable)[0] == "c"
+    # A built program that cannot run (a cache on a noexec mount, say): the Python host.
+    monkeypatch.delenv(HOST_ENV)
+    monkeypatch.setattr(nvmlhost, "c_host", lambda: tmp_path / "nvmlhost-gone")
+    host = NvmlHost(timeout_s=2.0)
+    try:
+        host.nvmlInit()
+        assert host.started_kind == "python"
+    finally:
+        host.close()
 
 
 def test_preflight_reads_the_driver_through_a_host_it_ends(box: Box) -> None:

@@ -1,8 +1,13 @@
 """NVML calls made in a process of the agent's own, never in the agent: :class:`NvmlHost`.
 
-The host is ``python -I -S agent/gpu/nvml.py`` (standard library only, started on the first call):
-it loads the driver's library, answers each call over a pipe, and ends when the agent closes
-the pipe (or dies: the kernel closes it). :class:`NvmlHost` looks like the ``pynvml`` module to
+The host is a program of its own, started on the first call: it loads the driver's library,
+answers each call over a pipe, and ends when the agent closes the pipe (or dies: the kernel
+closes it). Where the box has a C compiler it is agent/gpu/nvmlhost.c, built once into the
+agent's cache folder (:func:`c_host`); elsewhere ``python -I -S agent/gpu/nvml.py`` (standard
+library only), the same protocol. Measured on an H200 (issue 26): the Python host 25.0 MiB PSS,
+the C host 19.3, NVML's own initialisation 18 of either. ``LIBREYOLO_AGENT_NVML_HOST=python``
+keeps the Python host; ``=c`` asks for the C one (a box without a compiler still gets the
+Python host, with a warning). :class:`NvmlHost` looks like the ``pynvml`` module to
 its callers (:class:`agent.gpu.health.GpuMonitor`, the preflight's driver check): the constants,
 ``NVMLError``, and an ``nvml*`` function for each call :data:`agent.gpu.nvml.FUNCTIONS` names, with
 handles as integers.
@@ -14,7 +19,7 @@ caller crashes the host. Either way the call raises :class:`~agent.gpu.nvml.NVML
 ``value`` :data:`~agent.gpu.nvml.HOST_UNRESPONSIVE` or :data:`~agent.gpu.nvml.HOST_GONE`, and every
 later call raises the same at once: the host is not started again (a host stuck in the
 kernel cannot even be killed, and a second would join it). What it costs: a second, small
-Python on the box (the host: the interpreter, ctypes and NVML).
+process on the box (NVML's initialisation, and the C program or the interpreter with ctypes).
 
 Thread-safe: one lock serialises the calls.
 """
@@ -22,16 +27,19 @@ Thread-safe: one lock serialises the calls.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agent.gpu import nvml
@@ -48,6 +56,16 @@ EXIT_WAIT_S = 2.0
 #: The longest answer line read (a call answers a few hundred bytes).
 _MAX_LINE = 1 << 16
 
+#: Which host to run: ``c``, ``python``, or unset (the C host where it builds).
+HOST_ENV = "LIBREYOLO_AGENT_NVML_HOST"
+#: Where built programs are kept (default ``$XDG_CACHE_HOME/libreyolo-agent``, else
+#: ``~/.cache/libreyolo-agent``).
+CACHE_ENV = "LIBREYOLO_AGENT_CACHE_DIR"
+#: The C host's source, shipped beside this file.
+C_SOURCE = Path(__file__).with_name("nvmlhost.c")
+#: The longest a build of the C host may take, seconds (0.3 s on a 2-core VM).
+BUILD_TIMEOUT_S = 60.0
+
 
 class NvmlHost:
     """The ``pynvml``-like face of the NVML host process (see the module's text)."""
@@ -60,10 +78,15 @@ class NvmlHost:
         timeout_s: float = CALL_TIMEOUT_S,
         init_timeout_s: float = INIT_TIMEOUT_S,
         python: str | None = None,
+        kind: str | None = None,
     ) -> None:
         self._timeout_s = timeout_s
         self._init_timeout_s = init_timeout_s
         self._python = python or sys.executable
+        #: ``c``, ``python``, or None: :data:`HOST_ENV` decides (see :func:`host_command`).
+        self._kind = kind
+        #: The kind of the host started last (``c`` or ``python``), None before the first call.
+        self.started_kind: str | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
@@ -131,20 +154,33 @@ class NvmlHost:
     # ------------------------------------------------------------------------------------------
 
     def _start(self) -> subprocess.Popen[bytes]:
-        script = os.path.abspath(nvml.__file__)
+        kind, command = host_command(self._python, self._kind)
         try:
-            proc = subprocess.Popen(
-                [self._python, "-I", "-S", script],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                close_fds=True,
-                env=host_env(),
-            )
+            proc = self._popen(command)
         except OSError as exc:
-            raise self._fail(nvml.HOST_GONE, f"the NVML host did not start: {exc}") from None
+            if kind != "c":
+                raise self._fail(nvml.HOST_GONE, f"the NVML host did not start: {exc}") from None
+            # A built host that will not run (a cache folder mounted noexec, say): the Python one.
+            log.warning("the C NVML host did not start (%s): the Python host runs instead", exc)
+            kind, command = "python", python_host_command(self._python)
+            try:
+                proc = self._popen(command)
+            except OSError as exc2:
+                raise self._fail(nvml.HOST_GONE, f"the NVML host did not start: {exc2}") from None
         self._proc = proc
-        log.debug("NVML host started: pid %d", proc.pid)
+        self.started_kind = kind
+        log.debug("NVML host started (%s): pid %d", kind, proc.pid)
         return proc
+
+    @staticmethod
+    def _popen(command: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+            env=host_env(),
+        )
 
     def _read(self, proc: subprocess.Popen[bytes], fn: str, timeout: float) -> dict[str, Any]:
         assert proc.stdout is not None
@@ -210,6 +246,105 @@ class NvmlHost:
             with contextlib.suppress(ValueError):
                 return f"killed by {signal.Signals(-code).name}"
         return f"exit status {code}"
+
+
+def python_host_command(python: str) -> list[str]:
+    """The Python host: ``python -I -S agent/gpu/nvml.py``."""
+    return [python, "-I", "-S", os.path.abspath(nvml.__file__)]
+
+
+def host_command(python: str, kind: str | None = None) -> tuple[str, list[str]]:
+    """``(kind, argv)`` of the host to start: the C host where :func:`c_host` has or can build
+    it, unless ``kind`` (else :data:`HOST_ENV`) says ``python``."""
+    wanted = (kind or os.environ.get(HOST_ENV, "")).strip().lower()
+    if wanted not in ("", "c", "python"):
+        log.warning(
+            "%s=%r is neither c nor python: the default (C where it builds)", HOST_ENV, wanted
+        )
+        wanted = ""
+    if wanted != "python":
+        built = c_host()
+        if built is not None:
+            return "c", [str(built)]
+        if wanted == "c":
+            log.warning(
+                "%s=c, but the C NVML host could not be built: the Python host runs", HOST_ENV
+            )
+    return "python", python_host_command(python)
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> Path:
+    """Where the agent keeps what it builds (:data:`CACHE_ENV`, else the XDG cache folder)."""
+    env = os.environ if environ is None else environ
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "libreyolo-agent"
+
+
+_build_lock = threading.Lock()
+#: The outcome of this process's one build attempt per source digest: the program, or None.
+_built: dict[str, Path | None] = {}
+
+
+def c_host(source: Path = C_SOURCE) -> Path | None:
+    """The C host's program, built from ``source`` once per box (kept as
+    ``nvmlhost-<digest of the source>`` in :func:`cache_dir`, so an upgrade builds anew); None
+    where it cannot be: no ``cc``/``gcc``, a failed build, a cache folder that cannot be
+    written. A process tries each source once; the reason it could not is logged once."""
+    try:
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    except OSError as exc:
+        log.info("the C NVML host's source cannot be read (%s): the Python host runs", exc)
+        return None
+    with _build_lock:
+        if digest in _built:
+            return _built[digest]
+        _built[digest] = program = _build(source, cache_dir() / f"nvmlhost-{digest}")
+        return program
+
+
+def _build(source: Path, program: Path) -> Path | None:
+    if program.is_file() and os.access(program, os.X_OK):
+        return program
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler (cc) on this box: the NVML host is the Python one (6 MiB more)")
+        return None
+    tmp = program.with_name(f".{program.name}.{os.getpid()}.tmp")
+    started = time.monotonic()
+    try:
+        program.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        done = subprocess.run(
+            [cc, "-O2", "-o", str(tmp), str(source), "-ldl"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+            env=host_env(),
+            check=False,
+        )
+        if done.returncode != 0:
+            why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            log.warning(
+                "the C NVML host did not build (%s exited %d: %s): the Python host runs",
+                cc,
+                done.returncode,
+                why[0][:200],
+            )
+            return None
+        os.replace(tmp, program)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning(
+            "the C NVML host could not be built in %s (%s): the Python host runs",
+            program.parent,
+            exc,
+        )
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    log.info("built the C NVML host in %.2f s: %s", time.monotonic() - started, program)
+    return program
 
 
 #: Parts of a variable's name that mark it a secret (``HF_TOKEN``, ``VAST_API_KEY``,
