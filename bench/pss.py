@@ -160,6 +160,18 @@ def ours(root: int, state_dir: str) -> dict[int, str]:
     return found
 
 
+def threads(pid: int) -> int:
+    """The process's thread count (``/proc/PID/status``), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 class Sampler:
     def __init__(self) -> None:
         self.peak: dict[str, dict[str, int]] = {r: {} for r in ROLES}
@@ -177,7 +189,8 @@ class Sampler:
             if got is None:
                 continue
             self.pids[role].add(pid)
-            for key in ("Pss", "Rss", "Pss_Anon", "Pss_File"):
+            got["Threads"] = threads(pid)
+            for key in ("Pss", "Rss", "Pss_Anon", "Pss_File", "Threads"):
                 if got.get(key, 0) > self.peak[role].get(key, 0):
                     self.peak[role][key] = got.get(key, 0)
             total += got.get("Pss", 0)
@@ -419,8 +432,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"supervisor {result['supervisor_state']} rc {result['rc']}, {result['seconds']} s, "
         f"{result['samples']} samples every {args.every} s",
         "",
-        "| process | peak PSS MiB | peak RSS MiB | peak Pss_Anon MiB | pids |",
-        "|---|---|---|---|---|",
+        "| process | peak PSS MiB | peak RSS MiB | peak Pss_Anon MiB | pids | peak threads |",
+        "|---|---|---|---|---|---|",
     ]
     for role in ROLES:
         peak = result["peak"].get(role, {})
@@ -430,23 +443,23 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             note = f" ({result['nvml']})"
         if not pids and role == "guard":
             where = "a thread of the supervisor (agent/guard/hosted.py)"
-            lines.append(f"| guard | {where} | - | - | - |")
+            lines.append(f"| guard | {where} | - | - | - | - |")
             continue
         if not pids and role == "weights check":
-            lines.append(f"| {role} | a thread of the agent (no torch) | - | - | - |")
+            lines.append(f"| {role} | a thread of the agent (no torch) | - | - | - | - |")
             continue
         if not pids and role == AFTER_TRAINING:
-            lines.append(f"| {role} | not run (no destroy, or the drill is off) | - | - | - |")
+            lines.append(f"| {role} | not run (no destroy, or the drill is off) | - | - | - | - |")
             continue
         if not pids:
-            lines.append(f"| {role}{note} | absent | - | - | - |")
+            lines.append(f"| {role}{note} | absent | - | - | - | - |")
             continue
         if role == "job check" and peak.get("Pss", 0) == 0:
-            lines.append(f"| {role} | exited before a sample | - | - | - |")
+            lines.append(f"| {role} | exited before a sample | - | - | - | - |")
             continue
         lines.append(
             f"| {role}{note} | {mib(peak.get('Pss'))} | {mib(peak.get('Rss'))} | "
-            f"{mib(peak.get('Pss_Anon'))} | {len(pids)} |"
+            f"{mib(peak.get('Pss_Anon'))} | {len(pids)} | {peak.get('Threads', '-')} |"
         )
     parts = ", ".join(f"{r} {mib(k)}" for r, k in result["sum_peak_parts"].items())
     lines += [
