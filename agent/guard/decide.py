@@ -5,9 +5,9 @@ Pure functions of the plan, the clock, the heartbeat and state.json: tested in m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 from agent.config.model import TeardownAction, format_duration
@@ -34,8 +34,9 @@ def when(t: float) -> str:
     """A time for the guard's log lines. Never raises: a deadline no calendar can show (a plan
     written before durations were bounded) comes out as epoch seconds, not as a traceback at
     every beat."""
+    # time.gmtime, not datetime: the guard waits in the supervisor, which stays small (issue 26).
     try:
-        return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+        return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(t))
     except (OverflowError, ValueError, OSError):
         return f"{t:.0f} (epoch seconds)"
 
