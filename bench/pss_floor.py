@@ -92,6 +92,8 @@ _AGENT = r"""
 say("python")
 sys.path.insert(0, sys.argv[1])
 import importlib
+from agent.util.lean import keep_out  # as `libreyolo-agent run` does first (agent/util/lean.py)
+keep_out()
 # In the order the agent's own imports would bring them, each step's cost on top of the last.
 for step in ("asyncio", "psutil yaml watchdog.observers", "aiohttp", "aiohttp.web",
              "httpx2 huggingface_hub", "huggingface_hub.hf_api", "agent.sinks.hf",
