@@ -96,10 +96,11 @@ def _demo_only_options(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.util.arenas import limit_arenas
+    from agent.util.arenas import fix_thresholds, limit_arenas
     from agent.util.lean import keep_out
 
     limit_arenas()  # before any thread allocates (agent/util/arenas.py)
+    fix_thresholds()
     keep_out()  # before the Hub client is imported (agent/util/lean.py)
     refused = _demo_only_options(args)
     for message in refused:

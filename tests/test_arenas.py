@@ -78,3 +78,54 @@ def test_the_users_malloc_arena_max_is_left_alone(monkeypatch: pytest.MonkeyPatc
     assert isinstance(result["arenas"], int) and ARENAS < result["arenas"] <= 4
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert limit_arenas() is False
+
+
+_MAPPED_AFTER_A_FREE = """
+    import ctypes, json, sys
+    from agent.util.arenas import fix_thresholds
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    fixed = fix_thresholds() if sys.argv[1] == "fix" else False
+    first = bytearray(1 << 20)  # mapped: over glibc's starting threshold
+    del first  # unmapped; glibc now raises the threshold past 1 MiB, unless it is held
+    second = bytearray(1 << 20)
+    mapped = libc.mallinfo2().hblkhd  # bytes in blocks mapped for themselves, now
+    print(json.dumps({"fixed": fixed, "second_mapped": mapped >= 1 << 20}))
+"""
+
+
+def _mapped(mode: str, **environ: str) -> dict[str, object]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_MAPPED_AFTER_A_FREE), mode],
+        cwd=ROOT,
+        env={**env, **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_freed_buffer_is_given_back_not_kept_in_the_heap() -> None:
+    # glibc's default: after a 1 MiB block is freed, the next one comes from the heap (and stays
+    # there once freed); with the thresholds held, it is mapped again (and unmapped at its free).
+    assert _mapped("free") == {"fixed": False, "second_mapped": False}
+    assert _mapped("fix") == {"fixed": True, "second_mapped": True}
+
+
+def test_the_users_malloc_thresholds_are_left_alone() -> None:
+    assert _mapped("fix", MALLOC_MMAP_THRESHOLD_="4194304")["fixed"] is False
+    assert _mapped("fix", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1048576")["fixed"] is False
