@@ -52,6 +52,11 @@ def fake_lib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [cc, "-Wall", "-shared", "-fPIC", "-o", str(out / "libnvidia-ml.so.1"), str(FAKE_SOURCE)],
         check=True,
     )
+    # A stand-in libcuda.so.1 (empty) for the stand-in NVML to dlopen, as the real one does.
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-x", "c", "-o", str(out / "libcuda.so.1"), "/dev/null"],
+        check=True,
+    )
     return out
 
 
@@ -508,6 +513,36 @@ def test_the_c_host_answers_every_request_as_the_python_host_does(box: Box) -> N
         assert call("nvmlShutdown") == {"ok": None}
     finally:
         assert c.end() == 0 and py.end() == 0
+
+
+def test_the_c_host_keeps_libcuda_out_unless_nvml_cannot_start_without_it(box: Box) -> None:
+    # The 580 driver's nvmlInitWithFlags dlopens libcuda (3.9 MiB of the host on an H200), which
+    # no call of the agent's needs: the C host refuses it; the Python host lets it load.
+    box.set(libcuda=1)
+    for kind, seen in (("c", "libcuda:refused"), ("python", "libcuda:loaded")):
+        box.calls.unlink(missing_ok=True)
+        host = NvmlHost(timeout_s=2.0, kind=kind)
+        try:
+            host.nvmlInit()
+            assert host.started_kind == kind
+            assert seen in box.called()
+            assert ("libcuda.so.1" in _maps(host.pid or 0)) is (kind == "python")
+            assert host.nvmlDeviceGetCount() == 2
+        finally:
+            host.close()
+    # A driver whose NVML fails to start without libcuda: the C host lets it load and starts it
+    # again; the agent sees an NVML that started.
+    box.set(libcuda=2)
+    box.calls.unlink(missing_ok=True)
+    host = NvmlHost(timeout_s=2.0, kind="c")
+    try:
+        host.nvmlInit()
+        called = box.called()
+        assert called.index("libcuda:refused") < called.index("libcuda:loaded")
+        assert "libcuda.so.1" in _maps(host.pid or 0)
+        assert host.nvmlDeviceGetCount() == 2
+    finally:
+        host.close()
 
 
 def test_the_c_host_is_built_once_and_kept_by_the_digest_of_its_source(

@@ -5,12 +5,13 @@ answers each call over a pipe, and ends when the agent closes the pipe (or dies:
 closes it). Where the box has a C compiler it is agent/gpu/nvmlhost.c, built once into the
 agent's cache folder (:func:`c_host`); elsewhere ``python -I -S agent/gpu/nvml.py`` (standard
 library only), the same protocol. Measured on an H200 (issue 26): the Python host 25.0 MiB PSS,
-the C host 19.3, NVML's own initialisation 18 of either. ``LIBREYOLO_AGENT_NVML_HOST=python``
-keeps the Python host; ``=c`` asks for the C one (a box without a compiler still gets the
-Python host, with a warning). :class:`NvmlHost` looks like the ``pynvml`` module to
-its callers (:class:`agent.gpu.health.GpuMonitor`, the preflight's driver check): the constants,
-``NVMLError``, and an ``nvml*`` function for each call :data:`agent.gpu.nvml.FUNCTIONS` names, with
-handles as integers.
+the C host 16.0 (it keeps NVML from loading ``libcuda``, which none of the agent's calls needs:
+agent/gpu/nvmlhost.c says how), NVML's own initialisation most of either.
+``LIBREYOLO_AGENT_NVML_HOST=python`` keeps the Python host; ``=c`` asks for the C one (a box
+without a compiler still gets the Python host, with a warning). :class:`NvmlHost` looks like the
+``pynvml`` module to its callers (:class:`agent.gpu.health.GpuMonitor`, the preflight's driver
+check): the constants, ``NVMLError``, and an ``nvml*`` function for each call
+:data:`agent.gpu.nvml.FUNCTIONS` names, with handles as integers.
 
 What the agent gains (agent/gpu/nvml.py says why): the driver's libraries (``libnvidia-ml``,
 ``libcuda``, 18 MiB measured on an H200) are never mapped into the agent; a call that blocks in a
@@ -316,7 +317,8 @@ def _build(source: Path, program: Path) -> Path | None:
     try:
         program.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         done = subprocess.run(
-            [cc, "-O2", "-o", str(tmp), str(source), "-ldl"],
+            # -rdynamic: the program's own dlopen is the one NVML's calls reach (nvmlhost.c).
+            [cc, "-O2", "-rdynamic", "-o", str(tmp), str(source), "-ldl"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=BUILD_TIMEOUT_S,

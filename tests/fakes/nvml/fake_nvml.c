@@ -10,9 +10,13 @@
  *   hang=<symbol> (that call never returns)  crash=<symbol> (that call segfaults)
  *   no_events=1 (registering events answers NOT_SUPPORTED)  calls=<path> (each call appends
  *   its name to that file)
+ *   cuda=... is the CUDA version; libcuda=1: nvmlInitWithFlags dlopens "libcuda.so.1" as the
+ *   real library does (580 drivers), and records "libcuda:loaded" or "libcuda:refused" in the
+ *   calls file; libcuda=2: the same, and the init fails (ERROR_UNKNOWN) without it
  *
  * Build: cc -shared -fPIC -o DIR/libnvidia-ml.so.1 fake_nvml.c (tests/test_nvmlhost.py).
  */
+#include <dlfcn.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +78,12 @@ static int check(dev_t_ *d) {
 
 int nvmlInitWithFlags(unsigned int flags) {
     (void)flags; enter("nvmlInitWithFlags");
+    long wants_cuda = num("libcuda", 0);
+    if (wants_cuda) {
+        void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        enter(cuda ? "libcuda:loaded" : "libcuda:refused");
+        if (!cuda && wants_cuda == 2) return 999;
+    }
     int rc = (int)num("init_rc", 0);
     if (rc == 0) initialised = 1;
     return rc;
