@@ -48,10 +48,12 @@ _COUNT_ARENAS = """
 """
 
 
-def _arenas(mode: str, **environ: str) -> dict[str, object]:
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+def _run(code: str, mode: str, drop: tuple[str, ...], **environ: str) -> dict[str, object]:
+    """``code`` in a fresh interpreter (``mode`` its argument), without the variables ``drop``
+    names and with ``environ``: the JSON of its last line."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_COUNT_ARENAS), mode],
+        [sys.executable, "-c", textwrap.dedent(code), mode],
         cwd=ROOT,
         env={**env, **environ},
         capture_output=True,
@@ -61,6 +63,10 @@ def _arenas(mode: str, **environ: str) -> dict[str, object]:
     assert run.returncode == 0, run.stderr[-2000:]
     result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
     return result
+
+
+def _arenas(mode: str, **environ: str) -> dict[str, object]:
+    return _run(_COUNT_ARENAS, mode, ("MALLOC_ARENA_MAX",), **environ)
 
 
 def test_eight_allocating_threads_share_two_arenas() -> None:
@@ -101,22 +107,8 @@ _MAPPED_AFTER_A_FREE = """
 
 
 def _mapped(mode: str, **environ: str) -> dict[str, object]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_MAPPED_AFTER_A_FREE), mode],
-        cwd=ROOT,
-        env={**env, **environ},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
-    return result
+    drop = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    return _run(_MAPPED_AFTER_A_FREE, mode, drop, **environ)
 
 
 def test_a_freed_buffer_is_given_back_not_kept_in_the_heap() -> None:

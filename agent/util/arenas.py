@@ -28,11 +28,9 @@ ARENAS = 2
 THRESHOLD = 128 * 1024
 
 
-def limit_arenas(count: int = ARENAS) -> bool:
-    """Cap this process's malloc arenas at ``count`` (call it before threads start). False
-    when the environment already says (``MALLOC_ARENA_MAX``) or the C library cannot."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's ``mallopt`` for each ``(parameter, value)``: True when every one took; False
+    where the C library has no ``mallopt`` (musl)."""
     try:
         import ctypes
 
@@ -41,7 +39,15 @@ def limit_arenas(count: int = ARENAS) -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_ARENA_MAX, count))
+    return all([bool(mallopt(param, value)) for param, value in settings])
+
+
+def limit_arenas(count: int = ARENAS) -> bool:
+    """Cap this process's malloc arenas at ``count`` (call it before threads start). False
+    when the environment already says (``MALLOC_ARENA_MAX``) or the C library cannot."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    return _mallopt((M_ARENA_MAX, count))
 
 
 def fix_thresholds(threshold: int = THRESHOLD) -> bool:
@@ -65,12 +71,4 @@ def fix_thresholds(threshold: int = THRESHOLD) -> bool:
         or "trim_threshold" in tunables
     ):
         return False
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, threshold))
+    return _mallopt((M_MMAP_THRESHOLD, threshold), (M_TRIM_THRESHOLD, threshold))
