@@ -57,6 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from agent.gpu.nvmlhost import C_PROGRAM_PREFIX  # noqa: E402 (after the path)
+
 HF_TOKEN = "hf_bench_pss_token"
 HF_REPO = "bench-user/pss-run"
 VAST_KEY = "vast-instance-key-bench-pss-0123456789"
@@ -80,7 +82,7 @@ AFTER_TRAINING = "restore drill"
 
 def role_of(cmdline: list[str]) -> str | None:
     """Which process of ours this command line is, None for any other (the trainer, a probe)."""
-    if cmdline and Path(cmdline[0]).name.startswith("nvmlhost-"):
+    if cmdline and Path(cmdline[0]).name.startswith(C_PROGRAM_PREFIX):
         return "nvml host"  # the C host (agent/gpu/nvmlhost.c), built into the cache folder
     if not cmdline or "python" not in Path(cmdline[0]).name:
         return None

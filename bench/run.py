@@ -245,6 +245,8 @@ class P1Run:
 def nvml_hosts(parent: int) -> set[int]:
     """The NVML hosts (the C host ``.../nvmlhost-<digest>``, or ``python -I -S
     .../agent/gpu/nvml.py``) among ``parent``'s children."""
+    from agent.gpu.nvmlhost import C_PROGRAM_PREFIX
+
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{parent}/task").iterdir():
@@ -252,7 +254,7 @@ def nvml_hosts(parent: int) -> set[int]:
                 for pid in (task / "children").read_text().split():
                     with contextlib.suppress(OSError):
                         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        if argv[0].rsplit(b"/", 1)[-1].startswith(b"nvmlhost-") or any(
+                        if argv[0].rsplit(b"/", 1)[-1].startswith(C_PROGRAM_PREFIX.encode()) or any(
                             a.endswith(b"agent/gpu/nvml.py") for a in argv
                         ):
                             found.add(int(pid))

@@ -62,8 +62,9 @@ HOST_ENV = "LIBREYOLO_AGENT_NVML_HOST"
 #: Where built programs are kept (default ``$XDG_CACHE_HOME/libreyolo-agent``, else
 #: ``~/.cache/libreyolo-agent``).
 CACHE_ENV = "LIBREYOLO_AGENT_CACHE_DIR"
-#: The C host's source, shipped beside this file.
+#: The C host's source, shipped beside this file, and its program's name before the digest.
 C_SOURCE = Path(__file__).with_name("nvmlhost.c")
+C_PROGRAM_PREFIX = "nvmlhost-"
 #: The longest a build of the C host may take, seconds (0.3 s on a 2-core VM).
 BUILD_TIMEOUT_S = 60.0
 
@@ -301,7 +302,7 @@ def c_host(source: Path = C_SOURCE) -> Path | None:
     with _build_lock:
         if digest in _built:
             return _built[digest]
-        _built[digest] = program = _build(source, cache_dir() / f"nvmlhost-{digest}")
+        _built[digest] = program = _build(source, cache_dir() / f"{C_PROGRAM_PREFIX}{digest}")
         return program
 
 
