@@ -177,7 +177,10 @@ def test_spinning_process_tree_defers_the_verdict_to_twice_the_threshold(
             deferred_seen = True
     assert deferred_seen
     assert stall.quiet_s >= 0.8 and stall.threshold_s == 0.4
-    assert stall.evidence["deferred_by"] == ["cpu"] and stall.evidence["cpu_busy"] is True
+    # deferred_by is the CPU moving within the alive window; cpu_busy is the last observation
+    # alone, which a loaded machine can starve of the spinner's time (seen once in CI): not
+    # asserted.
+    assert stall.evidence["deferred_by"] == ["cpu"]
     assert (
         "process-tree CPU still busy" in stall.message and "cap of 2 x threshold" in stall.message
     )
