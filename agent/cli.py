@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__" and sys.argv[1:2] == ["supervise"]:
-    # The supervisor lives as long as the job: it enters before the rest of the CLI is imported
+    # The supervisor lives as long as the job: agent/supervise.py before the rest of the CLI
     # (agent/supervisor.py says what it holds, and why so little).
-    from agent.supervisor import main as _supervise
+    from agent.supervise import main as _supervise
 
     sys.exit(_supervise(sys.argv[2:]))
 
@@ -335,9 +335,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    from agent import supervisor
+    from agent import supervise
 
-    return supervisor.run_from_args(args)
+    return supervise.run_from_args(args)
 
 
 # ---------------------------------------------------------------------------------------- cost
@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_check)
 
-    from agent.supervisor import DESCRIPTION, EPILOG, HELP, add_arguments
+    from agent.supervise import DESCRIPTION, EPILOG, HELP, add_arguments
 
     sv = sub.add_parser(
         "supervise",

@@ -1,5 +1,5 @@
 """The ``libreyolo-agent`` command (pyproject's console script): ``supervise``, which lives as long
-as the job, enters :func:`agent.supervisor.main` without the rest of the CLI; every other command
+as the job, enters :func:`agent.supervise.main` without the rest of the CLI; every other command
 goes to :func:`agent.cli.main`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 def main() -> int:
     if sys.argv[1:2] == ["supervise"]:
-        from agent.supervisor import main as supervise
+        from agent.supervise import main as supervise
 
         return supervise(sys.argv[2:])
     from agent.cli import main as cli_main

@@ -50,11 +50,12 @@ Running it again while a supervisor lives is harmless: the second one exits at o
 
 It lives as long as the job, so it is kept small (issue 26: every process of ours together under
 80 MiB PSS): ``libreyolo-agent supervise`` enters here before the rest of the CLI is imported
-(:func:`main`, dispatched from the top of agent/cli.py and by agent/entry.py); the job file is
-checked in a forked child that exits (the job parser, and a bad job's teardown, never stay in
-this process); the loop waits on the agent's pidfd and a signal pipe with ``select`` instead of
-asyncio. It imports the standard library's ``subprocess``, ``logging`` and ``argparse``, and of
-the agent :mod:`agent.util.logutil` (with :mod:`agent.util.redact`), :mod:`agent.state`,
+(:func:`agent.supervise.main`, dispatched from the top of agent/cli.py and by agent/entry.py,
+reads a plain command line without argparse); the job file is checked in a forked child that
+exits (the job parser, and a bad job's teardown, never stay in this process); the loop waits on
+the agent's pidfd and a signal pipe with ``select`` instead of asyncio. It imports the standard
+library's ``subprocess``, ``logging`` and ``dataclasses``, neither ``typing`` nor ``argparse``,
+and of the agent :mod:`agent.util.logutil` (with :mod:`agent.util.redact`), :mod:`agent.state`,
 :mod:`agent.util.backoff`, :mod:`agent.util.childenv` and the waiting guard's modules
 (tests/test_supervisor.py checks what a running supervisor holds).
 """
@@ -73,15 +74,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
 
 from agent.state import atomic_write_json, lock_with_pid
 from agent.util import logutil
 from agent.util.backoff import doubling_s
 from agent.util.childenv import child_env
 
+#: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
-    import argparse
+    from typing import Any, Literal
+
+    SupervisorState = Literal[
+        "running",  #: the agent runs
+        "waiting",  #: the agent failed; it starts again at next_restart_at
+        "finished",  #: the agent exited 0: the job ended (or the agent was asked to exit)
+        "bad_job",  #: the agent exited 2: a restart cannot fix it
+        "gave_up",  #: too many restarts in a row
+        "stopped",  #: the supervisor was asked to exit (SIGTERM/SIGINT), the agent with it
+    ]
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +106,6 @@ DEFAULT_STATE_DIR = "/var/lib/libreyolo-agent"
 EXIT_BAD_JOB = 2
 #: How many of the latest exits supervisor.json keeps.
 EXITS_KEPT = 20
-
-SupervisorState = Literal[
-    "running",  #: the agent runs
-    "waiting",  #: the agent failed; it starts again at next_restart_at
-    "finished",  #: the agent exited 0: the job ended (or the agent was asked to exit)
-    "bad_job",  #: the agent exited 2: a restart cannot fix it
-    "gave_up",  #: too many restarts in a row
-    "stopped",  #: the supervisor was asked to exit (SIGTERM/SIGINT), the agent with it
-]
 
 
 class AlreadySupervised(Exception):
@@ -437,164 +439,3 @@ def read_record(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-# ---------------------------------------------------------------------------- the command line
-
-HELP = "run the agent, restarting it when it fails (containers without systemd)"
-DESCRIPTION = (
-    "Run `libreyolo-agent run JOB`; start it again, after a backoff, when it "
-    "fails or is killed, not after exit 0 (the job ended) or 2 (bad job file). Exit 0 the "
-    "job ended or SIGTERM/SIGINT (passed on to the agent), 1 gave up or another supervisor "
-    "runs, 2 bad job file. Files: supervisor.pid, supervisor.json in the state directory."
-)
-
-#: ``supervise --help``'s exit codes (the README's Commands table says the same).
-EPILOG = """\
-exit codes:
-  0  the job ended (or SIGTERM/SIGINT, passed on to the agent)
-  1  gave up (restarts in a row that did not stay up), or another supervisor runs
-  2  the job file is bad
-"""
-
-
-def add_arguments(sv: argparse.ArgumentParser) -> None:
-    """``supervise``'s options (agent/cli.py's subcommand and :func:`main` share them)."""
-    sv.add_argument("job", help="job file (TOML)")
-    sv.add_argument(
-        "--log",
-        metavar="FILE",
-        help="append the agent's output here (default: supervisor.log in the state directory)",
-    )
-    for flag, kind, default, text in (
-        ("--max-restarts", int, 10, "give up after N restarts in a row (none up --min-uptime)"),
-        ("--first-backoff", float, 5.0, "seconds before the first restart; doubles each time"),
-        ("--max-backoff", float, 300.0, "the longest wait before a restart, seconds"),
-        ("--min-uptime", float, 60.0, "seconds up that reset the count of restarts in a row"),
-    ):
-        sv.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default:g})")
-    sv.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
-
-
-def _err(message: str) -> None:
-    from agent.client import err  # only on the way out: the CLI's one way of saying what went wrong
-
-    err(message)
-
-
-def check_job(job: Path) -> int:
-    """The job file read and checked in a forked child, which exits: 0 good; 2 bad (every
-    mistake printed, and on a rented box the failure teardown decision, as ``run`` does:
-    agent/cli.py's ``_bad_job``); 1 the check itself failed. The parser and its imports never
-    stay in the supervisor. The child has a process group of its own: SIGTERM and SIGINT reach
-    it once, passed on from here (a bad job's teardown, waiting on a provider, stops on them as
-    it would in the supervisor itself)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    stop_signals = {signal.SIGTERM, signal.SIGINT}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # until they are passed on
-    try:
-        pid = os.fork()
-    except OSError:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        raise
-    if pid == 0:  # the child: no thread runs yet in the supervisor, so forking is safe
-        code = 1
-        try:
-            os.setpgid(0, 0)
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            from agent.cli import _bad_job, _load
-            from agent.client import err
-            from agent.config.model import ConfigError, Env
-
-            try:
-                _load(str(job))
-            except ConfigError as exc:
-                code = _bad_job(str(job), exc, supervised=True)
-            else:
-                try:
-                    Env.from_environ()  # a bad HF_ENDPOINT: exit 2 here too, as before
-                    code = 0
-                except ConfigError as exc:
-                    for error in exc.errors:
-                        err(str(error))
-                    code = EXIT_BAD_JOB
-        except KeyboardInterrupt:
-            code = 1
-        except BaseException:  # the same traceback the supervisor itself would have printed
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code)
-
-    def pass_on(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-    old = {sig: signal.signal(sig, pass_on) for sig in stop_signals}
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    try:
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                return os.waitstatus_to_exitcode(status)
-            except InterruptedError:
-                continue
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """``libreyolo-agent supervise``: the options checked, the job file checked (exit 2 before
-    anything starts), then :meth:`Supervisor.run`."""
-    policy = Policy.from_options(  # ConfigError: one line each, exit 2 (the caller)
-        args.max_restarts, args.first_backoff, args.max_backoff, args.min_uptime
-    )
-    job = Path(args.job).absolute()
-    logutil.configure_console(args.verbose)
-    checked = check_job(job)
-    if checked != 0:
-        return checked if checked > 0 else 1
-    state_dir = Path(os.environ.get("LIBREYOLO_AGENT_STATE_DIR") or DEFAULT_STATE_DIR)
-    argv = agent_argv(job, verbose=args.verbose)
-    log_path = Path(args.log) if args.log else None
-    try:
-        return Supervisor(argv, state_dir, log_path=log_path, policy=policy, host_guard=True).run()
-    except AlreadySupervised as exc:
-        _err(f"a supervisor (pid {exc.holder}) already runs on the state directory {state_dir}")
-        return 1
-    except OSError as exc:
-        _err(f"cannot supervise in {state_dir}: {exc.strerror or exc}")
-        return 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``libreyolo-agent supervise ...`` without the rest of the CLI (agent/cli.py dispatches
-    here first); ``argv`` without the word ``supervise``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="libreyolo-agent supervise",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except KeyboardInterrupt:
-        return 1
-    except Exception as exc:
-        from agent.config.jobvalues import ConfigError
-
-        if not isinstance(exc, ConfigError):
-            raise
-        for error in exc.errors:  # a bad option: one line each
-            _err(str(error))
-        return EXIT_BAD_JOB

@@ -46,6 +46,18 @@ KILL_EPOCHS = 8
 NAMED_POINTS = ("staging", "after-launch", "upload-sent", "finishing", "teardown-sending")
 
 
+def wait_for_training(state_dir: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Until the agent ``proc`` wrote TRAINING as its own phase (or exited)."""
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the agent never reached TRAINING"
+        with contextlib.suppress(OSError, ValueError):
+            st = StateStore(state_dir).load()
+            if st is not None and st.agent_pid == proc.pid and st.phase == Phase.TRAINING:
+                return
+        time.sleep(0.05)
+
+
 def start_agent(job: Path, state_dir: Path, log: Path, **extra: str) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -137,12 +149,17 @@ def test_agent_killed_at_random_moments_and_named_points_loses_nothing(
     first = epochs_done(runs)
     phases_killed: list[str] = []
     try:
-        for _ in range(RANDOM_KILLS):
+        for i in range(RANDOM_KILLS):
             proc = start_agent(job, state_dir, log)
             seen = epochs_done(runs)
             runs_now = seen < first + KILL_EPOCHS
             if runs_now:
                 os.kill(trainer.pid, signal.SIGCONT)
+            if i % 2:
+                # Every other kill lands in TRAINING for sure: its random moment counts from the
+                # agent's own TRAINING, not from its start (a loaded CI machine took longer than
+                # 2.5 s to boot an agent, and the kills all hit BOOTING).
+                wait_for_training(state_dir, proc)
             deadline = time.monotonic() + rng.uniform(0.2, 2.5)
             while time.monotonic() < deadline and proc.poll() is None:
                 if runs_now and epochs_done(runs) > seen:

@@ -92,7 +92,7 @@ def test_the_daemon_side_never_imports_torch() -> None:
 LAYERS: list[tuple[str, ...]] = [
     ("util",),  # helpers that know nothing of the job: text, backoff, threads, logs, redaction
     ("install",),  # what is installed on this box: torch, LibreYOLO's command and options
-    ("state", "events"),  # the run's lifecycle and its event stream: the shared nouns
+    ("state", "staterecords", "events"),  # the run's lifecycle, its records, its event stream
     ("config",),  # the job file and the environment
     ("hub",),  # the one home of the Hugging Face Hub client
     ("sinks", "providers", "gpu"),  # the outside systems: sync targets, clouds, the driver
@@ -104,7 +104,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("status",),  # what people see: /status, the page, metrics, notices, the post-mortem
     ("guard",),  # the process that outlives the agent and stops the box
     ("daemon",),  # the phases over one run context
-    ("cli", "client", "logs", "demo", "entry", "supervisor"),  # the commands
+    ("cli", "client", "logs", "demo", "entry", "supervise", "supervisor"),  # the commands
 ]
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

@@ -11,22 +11,18 @@ from typing import Any
 
 import pytest
 
-from agent.state import (
+from agent.state import Phase, Reason, RunState, StateStore, TrainerRecord
+from agent.staterecords import (
     CrashRecord,
     HistoryEntry,
     HoldRecord,
     LaunchIntent,
     OutcomeRecord,
-    Phase,
     PreemptionRecord,
-    Reason,
     ResumeRecord,
-    RunState,
     ServerRecord,
-    StateStore,
     SteeringRecord,
     TeardownRecord,
-    TrainerRecord,
 )
 
 #: A run that trained, was preempted, resumed, crashed once, was extended and held, then torn

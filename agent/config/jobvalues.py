@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, overload
 from urllib.parse import urlsplit
 
+from agent.util.text import format_duration as format_duration
 from agent.util.text import show as show
 
 
@@ -399,19 +400,6 @@ def parse_duration(
             "give a shorter one",
         )
     return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """``5400 -> "1h30m"``; used in messages and ``/status``."""
-    s = round(seconds)
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            parts.append(f"{s // size}{unit}")
-            s %= size
-    if s or not parts:
-        parts.append(f"{s}s")
-    return "".join(parts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,24 +44,18 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.config.jobfile import MAX_JOB_FILE_BYTES, _load_notify, _load_teardown
 from agent.config.jobvalues import ErrorList, Table, check_document
 from agent.config.model import ConfigError, Env, JobSection, NotifySection, TeardownSection
 from agent.events import EventBus
 from agent.policy import teardown
-from agent.state import (
-    HistoryEntry,
-    Phase,
-    Reason,
-    RunState,
-    StateDirLocked,
-    StateStore,
-    TeardownRecord,
-    transition,
-)
+from agent.state import Phase, Reason, RunState, StateDirLocked, StateStore, transition
 from agent.util import logutil
+
+if TYPE_CHECKING:
+    from agent.staterecords import HistoryEntry, TeardownRecord
 
 log = logging.getLogger(__name__)
 

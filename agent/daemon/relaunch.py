@@ -13,16 +13,20 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.daemon.context import RunContext
 from agent.policy import resume
 from agent.policy.resume import AlreadyDone
 from agent.sinks import SinkError
-from agent.state import LaunchIntent, Reason
+from agent.state import Reason
 from agent.trainer.outcome import Outcome, OutcomeKind
 from agent.trainer.process import TrainerError, build_argv, start_once
 from agent.trainer.rundir import read_status
 from agent.util.text import os_error
+
+if TYPE_CHECKING:
+    from agent.staterecords import LaunchIntent
 
 log = logging.getLogger(__name__)
 

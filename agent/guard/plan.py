@@ -34,11 +34,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
-from agent.config.model import Job, TeardownSection, parse_duration
 from agent.state import atomic_write_json
 from agent.util.childenv import child_env as _child_env
+
+#: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from agent.config.model import Job, TeardownSection
 
 # One logger for the guard, whichever side writes the line.
 log = logging.getLogger(__name__)
@@ -124,7 +129,10 @@ class GuardPlan:
 
     def teardown_section(self) -> TeardownSection:
         """The ``[teardown]`` table again, for :func:`make_provider`. Keys this version does
-        not know are left out (and named in the log); lists become tuples (argv)."""
+        not know are left out (and named in the log); lists become tuples (argv). The job's
+        configuration is imported here, when the guard acts, not while it waits."""
+        from agent.config.model import TeardownSection
+
         known = {f.name for f in fields(TeardownSection)}
         unknown = sorted(set(self.teardown) - known)
         if unknown:
@@ -150,7 +158,11 @@ def _optional_number(d: Mapping[str, Any], key: str) -> float | None:
 
 def _duration_from_env(environ: Mapping[str, str], name: str, default: float) -> float:
     raw = environ.get(name)
-    return default if not raw else parse_duration(name, raw)
+    if not raw:
+        return default
+    from agent.config.jobvalues import parse_duration  # the agent's side, not the waiting guard
+
+    return parse_duration(name, raw)
 
 
 def _plain(value: Any) -> Any:

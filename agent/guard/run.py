@@ -57,9 +57,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from agent.config.model import TeardownAction, TeardownSection, as_action, format_duration
 from agent.guard.decide import Due, choose_action, due, when
 from agent.guard.plan import (
     LOCK_FILE,
@@ -75,13 +73,19 @@ from agent.state import (
     RunState,
     StateDirLocked,
     StateStore,
-    TeardownRecord,
     atomic_write_json,
     transition,
 )
+from agent.util.text import format_duration
 
+#: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
+    from agent.config.model import TeardownAction, TeardownSection
     from agent.providers import Provider, TeardownResult
+    from agent.staterecords import TeardownRecord
 
 # While it waits, the guard holds only what a look needs (issue 26: every process of ours
 # together under 80 MiB PSS): asyncio, the providers, the teardown and agent.guard.save are
@@ -240,6 +244,7 @@ class Guard:
     async def _teardown(
         self, plan: GuardPlan, verdict: Due, state: RunState | None, *, owned: bool
     ) -> bool:
+        from agent.config.model import as_action
         from agent.policy.teardown import NOT_CONFIRMED, carry_out, note_result
 
         self.attempts += 1
@@ -413,6 +418,8 @@ class Guard:
             if prior.get("sent_at"):
                 # The dead agent's call was accepted: confirm it, never send a second one.
                 return {**prior, "by": "agent, carried on by the guard"}, True, None
+            from agent.config.model import as_action
+
             found = await provider.read_back(as_action(str(prior["action"])))
             if found is not None and found.confirmed:
                 return {**prior, "by": "agent, confirmed by the guard"}, False, found

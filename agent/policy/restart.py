@@ -10,9 +10,13 @@ takes the (gated) teardown decision, so a bug never becomes a restart loop that 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from agent.policy.teardown import NOT_CONFIRMED, is_open
-from agent.state import SPINE, CrashRecord, Phase, Reason, RunState
+from agent.state import SPINE, Phase, Reason, RunState
+
+if TYPE_CHECKING:
+    from agent.staterecords import CrashRecord
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.config.model import LimitsSection
-from agent.state import Reason, ResumeRecord
+from agent.state import Reason
 from agent.trainer.outcome import Outcome, OutcomeKind
 from agent.trainer.rundir import RunStatus, is_valid_checkpoint
 from agent.util.backoff import doubling_s
+
+if TYPE_CHECKING:
+    from agent.staterecords import ResumeRecord
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,13 @@ from agent.config.jobvalues import ConfigError
 from agent.config.model import Env, JobSection, TeardownAction, TeardownSection, as_action
 from agent.policy.autoteardown import AutoDecision
 from agent.providers import Provider, ProviderError, TeardownResult, make_provider
-from agent.state import Reason, RunState, TeardownRecord
+from agent.state import Reason, RunState
 from agent.util.backoff import delay_s
 from agent.util.crashpoints import crashpoint
 
 if TYPE_CHECKING:
     from agent.providers.api import Timing
+    from agent.staterecords import TeardownRecord
 
 log = logging.getLogger(__name__)
 

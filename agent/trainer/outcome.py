@@ -13,10 +13,13 @@ import signal
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.state import OutcomeRecord, Reason
+from agent.state import Reason
 from agent.trainer.rundir import RunStatus
+
+if TYPE_CHECKING:
+    from agent.staterecords import OutcomeRecord
 
 
 class OutcomeKind(StrEnum):

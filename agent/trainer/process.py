@@ -19,19 +19,22 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
 from agent.config.model import Job, TrainValue
 from agent.install.libreyolo import find_libreyolo
-from agent.state import LaunchIntent, TrainerRecord
+from agent.state import TrainerRecord
 from agent.trainer.exitwait import wait_exit
 from agent.trainer.logged_entry import logged_argv
 from agent.trainer.rundir import pid_alive
 from agent.trainer.spawn import LAUNCH_ENV, spawn_detached, trainer_env
 from agent.trainer.spawn import TrainerError as TrainerError  # re-exported: launching raises it
 from agent.util.crashpoints import crashpoint
+
+if TYPE_CHECKING:
+    from agent.staterecords import LaunchIntent
 
 log = logging.getLogger(__name__)
 

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from collections.abc import Mapping
+
+#: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import random
 
 #: Doublings past this many change nothing (any cap is reached long before); a retry count that
 #: grows for days must not overflow a float.
 _MAX_DOUBLINGS = 64
 
-_rng = random.Random()
+#: The jitter's generator, made at the first :func:`delay_s` (``random`` is 0.2 MiB the
+#: supervisor, which only doubles, never imports).
+_rng: random.Random | None = None
 
 
 def doubling_s(attempt: int, *, first_s: float, cap_s: float) -> float:
@@ -30,8 +36,15 @@ def delay_s(
 ) -> float:
     """:func:`doubling_s` scaled by a random factor in [0.5, 1] so that retries of many clients
     (or items) spread out. Never more than the cap."""
+    global _rng
     base = doubling_s(attempt, first_s=first_s, cap_s=cap_s)
-    return float(base * (rng or _rng).uniform(0.5, 1.0))
+    if rng is None:
+        if _rng is None:
+            import random
+
+            _rng = random.Random()
+        rng = _rng
+    return float(base * rng.uniform(0.5, 1.0))
 
 
 def retry_after_s(headers: Mapping[str, str]) -> float | None:

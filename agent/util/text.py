@@ -36,6 +36,19 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_duration(seconds: float) -> str:
+    """``5400 -> "1h30m"``; used in messages and ``/status``."""
+    s = round(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            parts.append(f"{s // size}{unit}")
+            s %= size
+    if s or not parts:
+        parts.append(f"{s}s")
+    return "".join(parts)
+
+
 def os_error(exc: OSError, *, filename: bool = False) -> str:
     """``ENOSPC: No space left on device``: short and greppable. With ``filename``, the file the
     error names follows: ``EACCES: Permission denied (/runs/state.json)``."""
