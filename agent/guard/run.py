@@ -55,7 +55,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from agent.guard.decide import Due, choose_action, due, when
@@ -244,6 +243,8 @@ class Guard:
     async def _teardown(
         self, plan: GuardPlan, verdict: Due, state: RunState | None, *, owned: bool
     ) -> bool:
+        from dataclasses import replace
+
         from agent.config.model import as_action
         from agent.policy.teardown import NOT_CONFIRMED, carry_out, note_result
 

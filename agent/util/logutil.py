@@ -19,10 +19,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass
 
 from agent.util.redact import redact as redact_secret_text
 from agent.util.redact import remember, remembered
+
+#: The standard library's dataclasses for mypy, agent.util.record's at run time: the supervisor
+#: imports this module, and dataclasses is 1.0 MiB it does not hold (issue 26).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from dataclasses import dataclass as record
+else:
+    from agent.util.record import record
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ _DECISION = "_agent_rate_limited"
 Key = tuple[str, int, str, str]
 
 
-@dataclass
+@record
 class _Window:
     started: float
     suppressed: int = 0
