@@ -126,11 +126,12 @@ def _status_without_agent(
     path = StateStore(state_dir).state_path
     why = _unreachable(exc)
     if record is not None:
-        from agent.policy.teardown import is_open, open_words
+        from agent.policy.teardown import open_words
+        from agent.state import teardown_open
 
         open_td = (
             f"; its teardown is {open_words(record.teardown or {})}"
-            if is_open(record.teardown)
+            if teardown_open(record.teardown)
             else ""
         )
         err(
@@ -152,9 +153,9 @@ def _status_without_agent(
 
 def _teardown_code(record: RunState | None) -> int:
     """``status``'s exit code for a job its state file describes: 3 while a teardown is open."""
-    from agent.policy.teardown import is_open
+    from agent.state import teardown_open
 
-    return EXIT_TEARDOWN_OPEN if record is not None and is_open(record.teardown) else EXIT_OK
+    return EXIT_TEARDOWN_OPEN if record is not None and teardown_open(record.teardown) else EXIT_OK
 
 
 def _get_status(base: str) -> dict[str, Any] | int | OSError:

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 
@@ -196,6 +196,23 @@ class RunState:
             hold=d.get("hold"),
             preempted=d.get("preempted"),
         )
+
+
+#: What every surface says of a teardown that is not confirmed (``status``, ``/status``, the page,
+#: the log, the notices).
+NOT_CONFIRMED = "NOT confirmed: the box may still bill"
+
+
+def teardown_open(record: Mapping[str, Any] | None) -> bool:
+    """A teardown decided and not confirmed (``state.teardown``): the box may still bill.
+    ``keep`` (and the dry run of provider ``none``) count as done once carried out. Here, not
+    in agent.policy.teardown, so that the guard in the supervisor reads it without importing
+    the providers (8 MiB, issue 26)."""
+    if not record or not record.get("action"):
+        return False
+    if record.get("confirmed") is True:
+        return False
+    return not (record.get("action") == "keep" and "confirmed" in record)
 
 
 def transition(

@@ -143,7 +143,8 @@ def test_the_supervisors_modules_hold_neither_dataclasses_nor_inspect() -> None:
     code = (
         "import sys\n"
         "import agent.supervise, agent.supervisor, agent.guard.hosted, agent.state\n"
-        "print(sorted(m for m in ('dataclasses', 'inspect', 'typing', 'ast') if m in sys.modules))\n"
+        "held = ('dataclasses', 'inspect', 'typing', 'ast')\n"
+        "print(sorted(m for m in held if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-P", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

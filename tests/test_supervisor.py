@@ -329,6 +329,21 @@ sys.argv = ["agent.cli", "supervise", *sys.argv[3:]]
 runpy.run_module("agent.cli", run_name="__main__", alter_sys=True)
 """
 
+#: A stand-in agent that ends its job as one that went well does: DONE, the teardown confirmed.
+STAND_IN_DONE = """
+import sys, time
+from pathlib import Path
+from agent.guard.plan import PLAN_FILE, GuardPlan
+from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
+state_dir, now = Path(sys.argv[1]), time.time()
+plan = GuardPlan("run1", now, None, 900.0, None, 600.0, 21600.0, 30.0, 30.0, {"provider": "none"}, now)
+atomic_write_json(state_dir / PLAN_FILE, plan.to_dict())
+state = RunState(job_name="run1", job_source="job.toml", phase=Phase.DONE, reason=Reason.COMPLETED)
+state.teardown = {"provider": "vast", "action": "destroy", "confirmed": True, "finished_at": 1.0}
+StateStore(state_dir).save(state)
+print("stand-in agent")
+"""
+
 #: What the supervisor, alive for the whole job, must not hold (issue 26: our processes
 #: together under 80 MiB PSS): the CLI and the job parser (the job file is checked in a forked
 #: child that exits), the job's configuration (the waiting guard reads its plan without it),
@@ -370,7 +385,9 @@ def test_the_supervisor_holds_neither_the_cli_nor_the_job_parser_nor_asyncio(
     job = job_toml(tmp_path, dataset, epochs=1)
     state_dir = tmp_path / "state"
     out = tmp_path / "modules.txt"
-    stand_in = [sys.executable, "-c", "print('stand-in agent')"]
+    # The stand-in leaves what a job that went well leaves: DONE, its teardown confirmed (the
+    # guard's last look reads it, and must not import the teardown policy for that).
+    stand_in = [sys.executable, "-c", STAND_IN_DONE, str(state_dir)]
     proc = subprocess.Popen(
         [sys.executable, "-c", RUN_CLI_SUPERVISE, str(out), json.dumps(stand_in), str(job)],
         cwd=ROOT,

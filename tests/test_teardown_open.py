@@ -29,8 +29,8 @@ import pytest
 from agent.config.model import NotifySection
 from agent.events import EventBus
 from agent.guard.plan import guard_pid
-from agent.policy.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, is_open, timing_from_env
-from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
+from agent.policy.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, timing_from_env
+from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json, teardown_open
 from agent.status.notify import Notifier
 from tests.fakes.providers import FakeVast, run_fake_vast
 from tests.support import tiny_job_text
@@ -140,7 +140,7 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
         assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
         state = load(state_dir)
         assert state is not None and state.phase == Phase.TEARDOWN  # never DONE unconfirmed
-        assert state.teardown is not None and is_open(state.teardown)
+        assert state.teardown is not None and teardown_open(state.teardown)
         assert state.teardown["action"] == "destroy" and state.teardown["confirmed"] is False
         assert "finished_at" not in state.teardown
 
@@ -161,7 +161,7 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
         first.send_signal(signal.SIGTERM)
         assert first.wait(60) == EXIT_TEARDOWN_OPEN
         state = load(state_dir)
-        assert state is not None and state.phase == Phase.TEARDOWN and is_open(state.teardown)
+        assert state is not None and state.phase == Phase.TEARDOWN and teardown_open(state.teardown)
         assert not [c for c in fake.requests if c.method == "DELETE" and c.status == 200]
 
         # A new `run` carries the teardown on (it used to say "already ended, nothing to do").
@@ -183,7 +183,7 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
         assert state is not None and state.phase == Phase.DONE
         td = state.teardown
         assert td is not None and td["confirmed"] is True and td["action"] == "destroy"
-        assert not is_open(td) and td["open"] is False and td["attempts"] >= before
+        assert not teardown_open(td) and td["open"] is False and td["attempts"] >= before
         # The confirmation came from a read that showed the instance gone, after the DELETE.
         reads = [c for c in fake.requests if c.method == "GET" and c.at > accepted[0].at]
         assert reads, "confirmed without a read-back"
@@ -339,5 +339,7 @@ def test_every_status_text_says_an_open_teardown_may_still_bill() -> None:
         assert f"destroy {NOT_CONFIRMED} (attempt 4)" in text, where
     assert NOT_CONFIRMED not in statusfmt.teardown_text({"teardown": done_td}, now)
     assert NOT_CONFIRMED not in statusfmt.report_summary({"teardown": done_td}, "report.json")
-    assert not is_open({"action": "keep", "confirmed": True})
-    assert not is_open(done_td) and is_open(open_td) and is_open({"action": "stop"})
+    assert not teardown_open({"action": "keep", "confirmed": True})
+    assert (
+        not teardown_open(done_td) and teardown_open(open_td) and teardown_open({"action": "stop"})
+    )

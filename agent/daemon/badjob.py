@@ -448,7 +448,7 @@ class _Handler:
             "action": "keep",
             "why": why,
             # No "confirmed": a box kept for want of a readable [teardown] is an open teardown
-            # (agent/policy/teardown.py is_open), so `status` exits 3 until a person acts.
+            # (agent/state.py teardown_open), so `status` exits 3 until a person acts.
             "detail": f"KEPT (still billing): {short}",
             "started_at": self.clock(),
         }

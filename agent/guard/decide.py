@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 
 from agent.guard.plan import GuardPlan
-from agent.state import Phase, Reason, RunState
+from agent.state import NOT_CONFIRMED, Phase, Reason, RunState, teardown_open
 from agent.util.text import format_duration
 
 #: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold);
@@ -69,10 +69,7 @@ def due(plan: GuardPlan, *, now: float, alive_at: float, state: RunState | None 
     if silent < plan.stale_after_s:
         return Due("alive", f"agent alive (heartbeat {format_duration(silent)} ago)")
     dead = f"agent dead since {when(alive_at)}"
-    if state is not None and state.phase == Phase.TEARDOWN:
-        # Imported here: a waiting guard (a job in training) never needs the teardown module.
-        from agent.policy.teardown import NOT_CONFIRMED, is_open
-    if state is not None and state.phase == Phase.TEARDOWN and is_open(state.teardown):
+    if state is not None and state.phase == Phase.TEARDOWN and teardown_open(state.teardown):
         td = state.teardown or {}
         return Due("due", f"{dead}, with its {td.get('action')} teardown {NOT_CONFIRMED}")
     if state is not None and state.phase == Phase.HELD:

@@ -73,6 +73,7 @@ from agent.state import (
     StateDirLocked,
     StateStore,
     atomic_write_json,
+    teardown_open,
     transition,
 )
 from agent.util.text import format_duration
@@ -102,15 +103,9 @@ REPEAT_OPEN_S = 1800.0
 _PAST: dict[TeardownAction, str] = {"stop": "stopped", "destroy": "destroyed", "keep": "kept"}
 
 
-def _is_open(record: TeardownRecord | None) -> bool:
-    """:func:`agent.policy.teardown.is_open`, imported once a job's phase is terminal."""
-    from agent.policy.teardown import is_open
-
-    return is_open(record)
-
-
 def _reopen_unconfirmed(state: RunState, now: float, *, say: bool) -> bool:
-    """:func:`agent.policy.restart.reopen_unconfirmed`, imported once state.json says DONE."""
+    """:func:`agent.policy.restart.reopen_unconfirmed`, imported once state.json says DONE with
+    its teardown open (an older agent's record): never at the end of a job that went well."""
     from agent.policy.restart import reopen_unconfirmed
 
     return reopen_unconfirmed(state, now, say=say)
@@ -476,7 +471,9 @@ class Guard:
         """The job ended: DONE (its teardown confirmed, or keep) or FAILED (a person must look).
         A DONE whose teardown was never confirmed (an older agent's) is not an end: the guard
         watches on (state.json is read as TEARDOWN then: agent/policy/restart.py)."""
-        if state.phase == Phase.FAILED or (state.phase.terminal and not _is_open(state.teardown)):
+        if state.phase == Phase.FAILED or (
+            state.phase.terminal and not teardown_open(state.teardown)
+        ):
             reason = state.reason.value if state.reason else None
             log.info("guard: job ended (%s, reason %s); exiting", state.phase.value, reason)
             return True
@@ -496,6 +493,7 @@ class Guard:
             if (
                 state is not None
                 and state.phase == Phase.DONE  # reopen_unconfirmed's case, imported for it only
+                and teardown_open(state.teardown)
                 and _reopen_unconfirmed(state, self.clock(), say=not said)
             ):
                 self._said_reopened = True

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from agent.policy.teardown import NOT_CONFIRMED, is_open
-from agent.state import SPINE, Phase, Reason, RunState
+from agent.policy.teardown import NOT_CONFIRMED
+from agent.state import SPINE, Phase, Reason, RunState, teardown_open
 
 if TYPE_CHECKING:
     from agent.staterecords import CrashRecord
@@ -44,7 +44,7 @@ def resume_phase(was: Phase, previous: RunState) -> Phase:
 def reopen_unconfirmed(previous: RunState, now: float, *, say: bool = True) -> bool:
     """A state.json that says DONE with a teardown never confirmed (written by an older agent,
     which called that final) goes back to TEARDOWN: the box may still bill. True when it did."""
-    if previous.phase != Phase.DONE or not is_open(previous.teardown):
+    if previous.phase != Phase.DONE or not teardown_open(previous.teardown):
         return False
     if say:
         log.error(

@@ -42,6 +42,7 @@ from agent.config.jobvalues import ConfigError
 from agent.config.model import Env, JobSection, TeardownAction, TeardownSection, as_action
 from agent.policy.autoteardown import AutoDecision
 from agent.providers import Provider, ProviderError, TeardownResult, make_provider
+from agent.state import NOT_CONFIRMED as NOT_CONFIRMED  # the words of an open teardown
 from agent.state import Reason, RunState
 from agent.util.backoff import delay_s
 from agent.util.crashpoints import crashpoint
@@ -52,9 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: What every surface says of a teardown that is not confirmed (``status``, ``/status``, the page,
-#: the log, the notices).
-NOT_CONFIRMED = "NOT confirmed: the box may still bill"
 #: The first pause before an open teardown is tried again, seconds; doubled (jittered) up to
 #: :data:`OPEN_MAX_S`: a provider down for hours is asked every five minutes.
 OPEN_FIRST_S = 15.0
@@ -214,16 +212,6 @@ def note_result(record: TeardownRecord, result: TeardownResult) -> None:
             "detail": result.detail,
         }
     )
-
-
-def is_open(record: Mapping[str, Any] | None) -> bool:
-    """A teardown decided and not confirmed: the box may still bill. ``keep`` (and the dry run
-    of provider ``none``) count as done once carried out."""
-    if not record or not record.get("action"):
-        return False
-    if record.get("confirmed") is True:
-        return False
-    return not (record.get("action") == "keep" and "confirmed" in record)
 
 
 def open_words(record: Mapping[str, Any]) -> str:

@@ -15,8 +15,8 @@ from agent.config.model import DEFAULT_HF_ENDPOINT, Job, LimitsSection, SyncSect
 from agent.policy.cost import stopped_usd_per_hour
 from agent.policy.limits import deadlines
 from agent.policy.steering import steering_status
-from agent.policy.teardown import NOT_CONFIRMED, is_open
-from agent.state import RunState
+from agent.policy.teardown import NOT_CONFIRMED
+from agent.state import RunState, teardown_open
 from agent.sync.ledger import ItemKind, LedgerEntry, LedgerStatus
 from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_metrics
 from agent.util.disk import nearest_existing
@@ -131,8 +131,8 @@ def status_document(i: StatusInputs) -> dict[str, Any]:
         "money": money(i, eta),
         "teardown": state.teardown,
         # A teardown decided and not confirmed by the provider: the box may still bill.
-        "teardown_open": is_open(state.teardown),
-        "teardown_warning": NOT_CONFIRMED if is_open(state.teardown) else None,
+        "teardown_open": teardown_open(state.teardown),
+        "teardown_warning": NOT_CONFIRMED if teardown_open(state.teardown) else None,
         "started_at": state.started_at,
         "updated_at": state.updated_at,
         "agent_pid": state.agent_pid,

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.config.jobvalues import format_duration
-from agent.policy.teardown import is_open, open_words
-from agent.state import RunState
+from agent.policy.teardown import open_words
+from agent.state import RunState, teardown_open
 from agent.status.report import headline, teardown_words, usd
 
 #: Width of the progress bar, characters between the brackets.
@@ -103,7 +103,7 @@ def teardown_text(s: Mapping[str, Any], now: float) -> str:
         held = "HELD: the box stays up" if s.get("phase") == "HELD" else "hold set"
         return f"{held} until release or {_in(until, now).removeprefix('in ')} from now"
     td = s.get("teardown")
-    if isinstance(td, Mapping) and td and is_open(td) and "confirmed" in td:
+    if isinstance(td, Mapping) and td and teardown_open(td) and "confirmed" in td:
         return f"{open_words(td)}: {td.get('detail') or td.get('why') or '-'}"
     if isinstance(td, Mapping) and td:
         return f"{teardown_words(td)}: {td.get('detail') or td.get('why') or '-'}"
@@ -192,7 +192,7 @@ def plain_line(s: Mapping[str, Any], now: float) -> str:
     if isinstance(m, Mapping) and m.get("spent_usd") is not None:
         parts.append(usd(m["spent_usd"]))
     td = s.get("teardown")
-    if isinstance(td, Mapping) and td and is_open(td) and "confirmed" in td:
+    if isinstance(td, Mapping) and td and teardown_open(td) and "confirmed" in td:
         parts.append(f"teardown: {open_words(td)}")
     elif isinstance(td, Mapping) and td:
         parts.append(f"teardown: {teardown_words(td)}")
@@ -202,7 +202,7 @@ def plain_line(s: Mapping[str, Any], now: float) -> str:
 def _report_teardown(td: Mapping[str, Any] | None) -> str:
     if not td:
         return "-"
-    words = open_words(td) if is_open(td) and "confirmed" in td else teardown_words(td)
+    words = open_words(td) if teardown_open(td) and "confirmed" in td else teardown_words(td)
     return f"{words}: {td.get('detail') or '-'}"
 
 
@@ -245,7 +245,7 @@ def teardown_line(teardown: Mapping[str, Any] | None) -> str:
     if not teardown:
         return "-"
     line = str(teardown.get("detail") or teardown.get("action") or "-")
-    return f"{open_words(teardown)}: {line}" if is_open(teardown) else line
+    return f"{open_words(teardown)}: {line}" if teardown_open(teardown) else line
 
 
 def ended_record(record: RunState, path: Path) -> dict[str, Any]:
