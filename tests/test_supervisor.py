@@ -336,9 +336,11 @@ from pathlib import Path
 from agent.guard.plan import PLAN_FILE, GuardPlan
 from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json
 state_dir, now = Path(sys.argv[1]), time.time()
-plan = GuardPlan("run1", now, None, 900.0, None, 600.0, 21600.0, 30.0, 30.0, {"provider": "none"}, now)
+teardown = {"provider": "none"}
+plan = GuardPlan("run1", now, None, 900.0, None, 600.0, 21600.0, 30.0, 30.0, teardown, now)
 atomic_write_json(state_dir / PLAN_FILE, plan.to_dict())
-state = RunState(job_name="run1", job_source="job.toml", phase=Phase.DONE, reason=Reason.COMPLETED)
+state = RunState(job_name="run1", job_source="job.toml", phase=Phase.DONE)
+state.reason = Reason.COMPLETED
 state.teardown = {"provider": "vast", "action": "destroy", "confirmed": True, "finished_at": 1.0}
 StateStore(state_dir).save(state)
 print("stand-in agent")
