@@ -36,9 +36,17 @@ def _patch(module: ModuleType) -> None:
     def on_train_epoch_end(self: Any, event: Any) -> None:
         original(self, event)
         if event.epoch == pause_after:
+            _say(f"epoch {event.epoch} ended: pausing (SIGSTOP)")
             os.kill(os.getpid(), signal.SIGSTOP)
 
     callback.on_train_epoch_end = on_train_epoch_end
+    # In the trainer's log: a test whose trainer never paused can tell a patch that was never
+    # made from an epoch that never matched (seen once in CI: the trainer ran to its end).
+    _say(f"{_MODULE} patched: the trainer pauses after epoch {pause_after}")
+
+
+def _say(line: str) -> None:
+    print(f"pause_trainer (pid {os.getpid()}): {line}", file=sys.stderr, flush=True)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
