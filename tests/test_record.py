@@ -86,6 +86,10 @@ def behaviour(impl: tuple[Any, Any, Any], frozen: bool) -> list[Any]:
     seen += [setting, a.name]
     Point = decorate(frozen=frozen)(type("Point", (), {"__annotations__": {"x": "int"}}))
     seen.append(outcome(lambda: hash(Point(1)) == hash(Point(1))))  # frozen: hashable
+    nan = float("nan")
+    seen += [Point(nan) == Point(nan), Point(float("nan")) == Point(float("nan"))]
+    Sub = type("Sub", (Point,), {})  # a plain subclass shows its own name
+    seen.append(repr(Sub(3)))
     return seen
 
 

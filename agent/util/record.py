@@ -118,12 +118,13 @@ def _make(cls: type[T], frozen: bool) -> type[T]:
 
     def __repr__(self: Any) -> str:
         inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in shown)
-        return f"{qualname}({inner})"
+        return f"{type(self).__qualname__}({inner})"
 
     def __eq__(self: Any, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return all(getattr(self, n) == getattr(other, n) for n in names)
+        # As tuples, as dataclasses compares: the same NaN object is equal to itself.
+        return tuple(getattr(self, n) for n in names) == tuple(getattr(other, n) for n in names)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.__repr__ = __repr__  # type: ignore[method-assign]
