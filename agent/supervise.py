@@ -46,6 +46,17 @@ exit codes:
 """
 
 
+#: ``supervise``'s options that take a value: their type and default, for argparse
+#: (:func:`add_arguments`) and for the plain reading (:func:`parse_plain`) alike.
+VALUE_OPTIONS: dict[str, tuple[Callable[[str], Any], Any]] = {
+    "--log": (str, None),
+    "--max-restarts": (int, 10),
+    "--first-backoff": (float, 5.0),
+    "--max-backoff": (float, 300.0),
+    "--min-uptime": (float, 60.0),
+}
+
+
 def add_arguments(sv: argparse.ArgumentParser) -> None:
     """``supervise``'s options (agent/cli.py's subcommand and :func:`main` share them)."""
     sv.add_argument("job", help="job file (TOML)")
@@ -54,12 +65,13 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="append the agent's output here (default: supervisor.log in the state directory)",
     )
-    for flag, kind, default, text in (
-        ("--max-restarts", int, 10, "give up after N restarts in a row (none up --min-uptime)"),
-        ("--first-backoff", float, 5.0, "seconds before the first restart; doubles each time"),
-        ("--max-backoff", float, 300.0, "the longest wait before a restart, seconds"),
-        ("--min-uptime", float, 60.0, "seconds up that reset the count of restarts in a row"),
+    for flag, text in (
+        ("--max-restarts", "give up after N restarts in a row (none up --min-uptime)"),
+        ("--first-backoff", "seconds before the first restart; doubles each time"),
+        ("--max-backoff", "the longest wait before a restart, seconds"),
+        ("--min-uptime", "seconds up that reset the count of restarts in a row"),
     ):
+        kind, default = VALUE_OPTIONS[flag]
         sv.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default:g})")
     sv.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
 
@@ -164,17 +176,6 @@ def run_from_args(args: argparse.Namespace | SimpleNamespace) -> int:
         return 1
 
 
-#: :func:`add_arguments`'s options that take a value, with their type and default (the
-#: supervisor's own reading of a plain command line, :func:`parse_plain`, uses them too).
-VALUE_OPTIONS: dict[str, tuple[Callable[[str], Any], Any]] = {
-    "--log": (str, None),
-    "--max-restarts": (int, 10),
-    "--first-backoff": (float, 5.0),
-    "--max-backoff": (float, 300.0),
-    "--min-uptime": (float, 60.0),
-}
-
-
 def _negative_number(token: str) -> bool:
     """argparse's own test (its ``_negative_number_matcher``) for a value that looks like an
     option but is a negative number (``-1``, ``-.5``): this parser has no option like one."""
@@ -187,7 +188,7 @@ def parse_plain(argv: Sequence[str]) -> SimpleNamespace | None:
     (``--log FILE`` or ``--log=FILE``), ``-v``. Anything else (``--help``, an abbreviation, a
     mistake, a value that does not convert) gives None, and :func:`main` asks argparse, which
     answers it as it always did. Where this returns a namespace, argparse's would be equal
-    (tests/test_supervisor.py holds the two side by side)."""
+    (tests/test_supervisor_args.py holds the two side by side)."""
     values: dict[str, Any] = {
         k[2:].replace("-", "_"): default for k, (_, default) in VALUE_OPTIONS.items()
     }
