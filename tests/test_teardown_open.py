@@ -29,8 +29,16 @@ import pytest
 from agent.config.model import NotifySection
 from agent.events import EventBus
 from agent.guard.plan import guard_pid
-from agent.policy.teardown import EXIT_TEARDOWN_OPEN, NOT_CONFIRMED, timing_from_env
-from agent.state import Phase, Reason, RunState, StateStore, atomic_write_json, teardown_open
+from agent.policy.teardown import EXIT_TEARDOWN_OPEN, timing_from_env
+from agent.state import (
+    NOT_CONFIRMED,
+    Phase,
+    Reason,
+    RunState,
+    StateStore,
+    atomic_write_json,
+    teardown_open,
+)
 from agent.status.notify import Notifier
 from tests.fakes.providers import FakeVast, run_fake_vast
 from tests.support import tiny_job_text

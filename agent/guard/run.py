@@ -67,6 +67,7 @@ from agent.guard.plan import (
     read_plan,
 )
 from agent.state import (
+    NOT_CONFIRMED,
     Phase,
     Reason,
     RunState,
@@ -241,7 +242,7 @@ class Guard:
         from dataclasses import replace
 
         from agent.config.model import as_action
-        from agent.policy.teardown import NOT_CONFIRMED, carry_out, note_result
+        from agent.policy.teardown import carry_out, note_result
 
         self.attempts += 1
         cfg = plan.teardown_section()

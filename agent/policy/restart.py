@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from agent.policy.teardown import NOT_CONFIRMED
-from agent.state import SPINE, Phase, Reason, RunState, teardown_open
+from agent.state import NOT_CONFIRMED, SPINE, Phase, Reason, RunState, teardown_open
 
 if TYPE_CHECKING:
     from agent.staterecords import CrashRecord

@@ -42,8 +42,7 @@ from agent.config.jobvalues import ConfigError
 from agent.config.model import Env, JobSection, TeardownAction, TeardownSection, as_action
 from agent.policy.autoteardown import AutoDecision
 from agent.providers import Provider, ProviderError, TeardownResult, make_provider
-from agent.state import NOT_CONFIRMED as NOT_CONFIRMED  # the words of an open teardown
-from agent.state import Reason, RunState
+from agent.state import NOT_CONFIRMED, Reason, RunState
 from agent.util.backoff import delay_s
 from agent.util.crashpoints import crashpoint
 

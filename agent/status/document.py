@@ -15,8 +15,7 @@ from agent.config.model import DEFAULT_HF_ENDPOINT, Job, LimitsSection, SyncSect
 from agent.policy.cost import stopped_usd_per_hour
 from agent.policy.limits import deadlines
 from agent.policy.steering import steering_status
-from agent.policy.teardown import NOT_CONFIRMED
-from agent.state import RunState, teardown_open
+from agent.state import NOT_CONFIRMED, RunState, teardown_open
 from agent.sync.ledger import ItemKind, LedgerEntry, LedgerStatus
 from agent.trainer.rundir import RunStatus, effective_state, pid_alive, read_metrics
 from agent.util.disk import nearest_existing
