@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,7 +196,15 @@ def test_an_api_down_past_the_retry_window_then_back_ends_in_one_destroy_confirm
         # The confirmation came from a read that showed the instance gone, after the DELETE.
         reads = [c for c in fake.requests if c.method == "GET" and c.at > accepted[0].at]
         assert reads, "confirmed without a read-back"
-        assert "resumed" in (tmp_path / "second.err").read_text()
+        second_err = (tmp_path / "second.err").read_text()
+        # Said once, in words: when it was decided (a UTC time, not a raw unix time), and each
+        # failed attempt's number once per line.
+        assert re.search(
+            r"teardown resumed: destroy was decided at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC",
+            second_err,
+        ), second_err[-3000:]
+        retries = [line for line in second_err.splitlines() if "trying again in" in line]
+        assert retries and all(line.count("(attempt") == 1 for line in retries), retries[:3]
         done = subprocess.run([*cli, "status"], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         assert (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.util.text import format_bytes, one_line, os_error, show
+from agent.util.text import format_bytes, format_when, one_line, os_error, show
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +43,17 @@ def test_one_line_collapses_whitespace_and_cuts() -> None:
 )
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+def test_format_when_shows_a_unix_time_in_utc_and_anything_else_as_it_is() -> None:
+    assert format_when(1796461015.85194) == "2026-12-05 08:56:55 UTC"
+    assert format_when(0) == "1970-01-01 00:00:00 UTC"
+    # A hand-edited or damaged record: shown, never a crash in a log line.
+    assert format_when(None) == "None"
+    assert format_when("yesterday") == "'yesterday'"
+    assert format_when(True) == "True"
+    assert format_when(float("nan")) == "nan"
+    assert format_when(1e300) == "1e+300"
 
 
 def test_os_error_is_short_and_greppable() -> None:

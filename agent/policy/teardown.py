@@ -45,6 +45,7 @@ from agent.providers import Provider, ProviderError, TeardownResult, make_provid
 from agent.state import NOT_CONFIRMED, Reason, RunState
 from agent.util.backoff import delay_s
 from agent.util.crashpoints import crashpoint
+from agent.util.text import format_when
 
 if TYPE_CHECKING:
     from agent.providers.api import Timing
@@ -166,13 +167,19 @@ async def carry_out(
     far asks the provider where things stand before anything is sent."""
     action = as_action(str(record["action"]))
     if resumed:
-        log.info("teardown resumed: %s was decided at %s", action, record.get("started_at"))
+        log.info(
+            "teardown resumed: %s was decided at %s", action, format_when(record.get("started_at"))
+        )
         if record.get("confirmed"):
             return TeardownResult(
                 action, bool(record.get("performed")), True, str(record.get("detail", ""))
             )
         if record.get("sent_at"):
-            log.info("teardown: %s was sent at %s; reading back only", action, record["sent_at"])
+            log.info(
+                "teardown: %s was sent at %s; reading back only",
+                action,
+                format_when(record["sent_at"]),
+            )
             return await provider.confirm(action)
         found = await provider.read_back(action)
         if found is not None:
@@ -299,10 +306,7 @@ async def carry_until_confirmed(
         pause = delay_s(attempt, first_s=first_s, cap_s=max_s)
         record.update({"open": True, "attempts": attempt, "next_attempt_at": clock() + pause})
         log.error(
-            "teardown: %s (attempt %d); trying again in %.0fs, reading back first",
-            open_words(record),
-            attempt,
-            pause,
+            "teardown: %s; trying again in %.0fs, reading back first", open_words(record), pause
         )
         save()
         if on_open is not None:

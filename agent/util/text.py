@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import math
+import time
 
 
 def show(value: object, limit: int = 60) -> str:
@@ -47,6 +48,17 @@ def format_duration(seconds: float) -> str:
     if s or not parts:
         parts.append(f"{s}s")
     return "".join(parts)
+
+
+def format_when(stamp: object) -> str:
+    """A unix time as ``2026-12-05 08:56:55 UTC`` for log lines; anything that is not a number
+    (a record written by hand, a missing key) is shown as it is."""
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
+        return show(stamp)
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp))
+    except (OverflowError, OSError, ValueError):  # past the C library's range
+        return show(stamp)
 
 
 def os_error(exc: OSError, *, filename: bool = False) -> str:
