@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import zipfile
@@ -431,6 +432,37 @@ def test_failed_preflight_gets_its_report_off_the_box_then_destroys_it(tmp_path:
     td = daemon.state.teardown
     assert td is not None and td["action"] == "destroy"
     assert "preflight failed" in td["why"]
+
+
+def test_a_failed_preflight_without_hf_token_keeps_its_reports_and_does_not_wait_for_them(
+    tmp_path: Path,
+) -> None:
+    # An hf:// target, no HF_TOKEN, the Hub not answering at the preflight (so its canary can
+    # only warn): the preflight fails (hf_token, and this CPU machine's cuda.available). The
+    # Hub takes no write without a token, so the reports are not queued for an upload that
+    # cannot succeed (before: up to 120 s of retries on a billing box): they stay in the state
+    # directory, the log says where, and the teardown follows.
+    with socket.socket() as sock:  # a port on 127.0.0.1 that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    job = tiny_job(tmp_path, tmp_path / "data.yaml", sections='[sync]\ntarget = "hf://org/run"\n')
+    train = dataclasses.replace(
+        job.train, args=tuple((k, v) for k, v in job.train.args if k != "device")
+    )
+    job = dataclasses.replace(
+        job, train=train, preflight=PreflightSection(enabled=True, allow_cpu=False)
+    )
+    env = dataclasses.replace(env_for(tmp_path), hf_endpoint=f"http://127.0.0.1:{closed}")
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "preflight_failed"
+    assert "hf_token" in (daemon.state.cause or ""), daemon.state.cause
+    assert history_phases(env.state_dir) == ["PREFLIGHT", "TEARDOWN", "DONE"]
+    text = (env.state_dir / "agent.log").read_text()
+    assert f"the reports stay on the box, in {env.state_dir}: hf://org/run takes no upload" in text
+    assert "upload of" not in text and "could not be uploaded in time" not in text, text[-3000:]
+    assert (env.state_dir / "preflight.json").is_file()
+    assert (env.state_dir / "report.json").is_file()
 
 
 def test_status_and_stop_commands_talk_to_the_running_agent(tmp_path: Path) -> None:

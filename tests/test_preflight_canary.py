@@ -125,6 +125,42 @@ def test_an_hf_target_is_written_read_back_and_cleaned_with_the_job_token(
         assert token not in text and token not in json.dumps(daemon.state.to_dict())
 
 
+def test_an_hf_target_without_a_token_fails_the_canary_and_the_box_is_destroyed_at_once(
+    tmp_path: Path, data: Path
+) -> None:
+    """No HF_TOKEN: the canary's create is refused (401), the job ends as preflight_failed,
+    nothing more is offered to the Hub (the reports cannot leave), and the destroy goes ahead
+    and is confirmed."""
+    with (
+        run_fake_hub(tokens={HF_WRITE}) as hub,
+        run_fake_vast(keys=set(), instance_keys={VAST_KEY: "1234"}) as vast,
+    ):
+        hub.add_repo("model", REPO, private=True)
+        vast.add_instance("1234")
+        env = state_env(
+            tmp_path,
+            hf_endpoint=hub.url,
+            hf_token=None,
+            container_id="1234",
+            container_api_key=VAST_KEY,
+        )
+        sections = (
+            f'[sync]\ntarget = "hf://{REPO}"\n'
+            f'[teardown]\nprovider = "vast"\napi_url = "{vast.url}"\n'
+        )
+        code, daemon, launched = run_job(tmp_path, data, sections, env)
+        assert code == 0
+        check = failed_before_training(daemon, launched, "target.canary")
+        assert "HF_TOKEN is not set" in check["value"]
+        td = daemon.state.teardown
+        assert td is not None and td["action"] == "destroy" and td["confirmed"] is True
+        # The canary's one refused create; nothing of the reports was offered to the Hub after
+        # it: no second create, no preupload, no commit, no LFS batch.
+        writes = [(r.route, r.status) for r in hub.requests if r.method == "POST"]
+        assert writes == [("create_repo", 401)], writes
+        assert (daemon.env.state_dir / "report.json").is_file()
+
+
 # ------------------------------------------------------------------------------------ providers
 
 

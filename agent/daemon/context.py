@@ -174,4 +174,19 @@ class RunContext:
         if self.sync is None or self.job.sync is None:
             return
         self.save()
+        if not self.reports_can_leave():
+            return
         await self.sync.send_reports(self.agent_files())
+
+    def reports_can_leave(self) -> bool:
+        """False (and said) where the sync target can take no upload at all: an hf:// target
+        with no ``HF_TOKEN`` (the Hub takes no write without one; the preflight failed on it).
+        Waiting for the reports to leave would only bill: they stay in the state directory."""
+        if self.job.sync is None or self.job.sync.scheme != "hf" or self.env.hf_token is not None:
+            return True
+        log.warning(
+            "the reports stay on the box, in %s: %s takes no upload without HF_TOKEN",
+            self.env.state_dir,
+            self.job.sync.target,
+        )
+        return False

@@ -336,5 +336,5 @@ class Ending:
         return []
 
     async def _send_report(self, paths: list[Path]) -> None:
-        if self.ctx.sync is not None and paths:
+        if self.ctx.sync is not None and paths and self.ctx.reports_can_leave():
             await self.ctx.sync.send_reports(paths)
