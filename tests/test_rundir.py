@@ -371,3 +371,25 @@ def test_is_valid_checkpoint_rejects_non_zips(tmp_path: Path, content: bytes) ->
 
 def test_is_valid_checkpoint_missing_file(tmp_path: Path) -> None:
     assert not is_valid_checkpoint(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({"completed_epochs": 1, "total_epochs": 3, "eta_seconds": 125.4}, " (eta 2m5s)"),
+        ({"completed_epochs": 3, "total_epochs": 3, "eta_seconds": None}, " (the last)"),
+        ({"completed_epochs": 3, "total_epochs": 3, "eta_seconds": 0.0}, " (the last)"),
+        ({"completed_epochs": 1, "total_epochs": 3, "eta_seconds": None}, ""),
+        ({"completed_epochs": 1, "total_epochs": None, "eta_seconds": None}, ""),
+        # A hand-written or broken status.json: no estimate rather than "nan" or a crash.
+        ({"completed_epochs": 1, "total_epochs": 3, "eta_seconds": float("nan")}, ""),
+        ({"completed_epochs": 1, "total_epochs": 3, "eta_seconds": float("inf")}, ""),
+        ({"completed_epochs": 1, "total_epochs": 3, "eta_seconds": -4.0}, ""),
+    ],
+)
+def test_the_epoch_line_says_the_eta_the_last_epoch_or_nothing(
+    doc: dict[str, Any], words: str
+) -> None:
+    from agent.daemon.training import epoch_eta
+
+    assert epoch_eta(RunStatus.from_dict({"state": "running", **doc})) == words

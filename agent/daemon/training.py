@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from agent.trainer.rundir import (
     read_status,
     run_dir_from_result,
 )
+from agent.util.text import format_duration
 from agent.util.watch import RunWatcher
 from agent.watch import disk as diskwatch
 from agent.watch.progress import ProgressTracker
@@ -481,10 +483,10 @@ class Training:
                 ctx.save()
                 return
             log.info(
-                "epoch %d/%s done (eta %s)",
+                "epoch %d/%s done%s",
                 status.completed_epochs,
                 status.total_epochs,
-                f"{status.eta_seconds:.0f}s" if status.eta_seconds is not None else "?",
+                epoch_eta(status),
             )
             self._publish_epoch(status, previous)
             self.diverge.on_epoch(ctx.run_dir)
@@ -560,3 +562,13 @@ class _Exiting:
 
 
 _EXITING = _Exiting()
+
+
+def epoch_eta(status: RunStatus) -> str:
+    """What follows "epoch N/M done" in the log: `` (eta 2m5s)``, `` (the last)``, or nothing
+    where LibreYOLO gave no estimate."""
+    if status.total_epochs is not None and status.completed_epochs >= status.total_epochs:
+        return " (the last)"
+    if status.eta_seconds is None or not 0 <= status.eta_seconds < math.inf:  # NaN included
+        return ""
+    return f" (eta {format_duration(status.eta_seconds)})"
