@@ -249,6 +249,24 @@ def test_an_ended_job_makes_the_guard_exit_without_acting(
     assert f"guard: job ended ({phase.value}, reason completed); exiting" in guard_log(state_dir)
 
 
+def test_a_guard_waiting_a_long_interval_exits_once_the_job_ends_not_an_interval_later(
+    state_dir: Path, guards: list[int]
+) -> None:
+    # One look an hour: only a glance at state.json between looks can make this guard see
+    # DONE before the test's own hang limit (before it, a guard lingered up to an interval
+    # after every job).
+    make_plan(state_dir, deadline_in=None, stale_after_s=7200.0, every_s=3600.0)
+    save_state(state_dir, Phase.TRAINING)
+    beat(state_dir)
+    pid = start(state_dir, guards)
+    eventually(lambda: "guard: waiting: agent alive" in guard_log(state_dir))
+    assert running(pid)
+    save_state(state_dir, Phase.DONE, reason=Reason.COMPLETED)
+    assert wait_exit(pid, timeout=HANG_S) == 0
+    assert "guard: job ended (DONE, reason completed); exiting" in guard_log(state_dir)
+    assert not (state_dir / RECORD_FILE).exists()
+
+
 def test_a_second_guard_on_the_same_state_dir_exits_at_once(
     state_dir: Path, guards: list[int]
 ) -> None:

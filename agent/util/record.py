@@ -25,6 +25,8 @@ fields, ``__post_init__``, inheritance between records, ``field()`` with anythin
 
 from __future__ import annotations
 
+import sys
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 
 #: A field without a default.
 _MISSING = object()
+#: ``__eq__`` as this Python's dataclasses: field by field from 3.13 (with ``self is other``
+#: first), as tuples before.
+FIELD_BY_FIELD = sys.version_info >= (3, 13)
 
 
 class FrozenRecordError(AttributeError):
@@ -120,11 +125,30 @@ def _make(cls: type[T], frozen: bool) -> type[T]:
         inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in shown)
         return f"{type(self).__qualname__}({inner})"
 
-    def __eq__(self: Any, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        # As tuples, as dataclasses compares: the same NaN object is equal to itself.
-        return tuple(getattr(self, n) for n in names) == tuple(getattr(other, n) for n in names)
+    if FIELD_BY_FIELD:
+
+        def __eq__(self: Any, other: object) -> bool:
+            if self is other:
+                return True
+            if other.__class__ is not self.__class__:
+                return NotImplemented
+            # Field by field, as Python 3.13's dataclasses (``a == b and c == d``): a NaN
+            # differs from itself here, unless it is the same record.
+            same: Any = True
+            for n in names:
+                same = getattr(self, n) == getattr(other, n)
+                if not same:
+                    break
+            return same
+
+    else:
+
+        def __eq__(self: Any, other: object) -> bool:
+            if other.__class__ is not self.__class__:
+                return NotImplemented
+            # As tuples, as dataclasses compares up to 3.12: the same NaN object is equal to
+            # itself.
+            return tuple(getattr(self, n) for n in names) == tuple(getattr(other, n) for n in names)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.__repr__ = __repr__  # type: ignore[method-assign]
