@@ -134,7 +134,7 @@ def _make(cls: type[T], frozen: bool) -> type[T]:
                 return NotImplemented
             # Field by field, as Python 3.13's dataclasses (``a == b and c == d``): a NaN
             # differs from itself here, unless it is the same record.
-            same: Any = True
+            same: bool = True
             for n in names:
                 same = getattr(self, n) == getattr(other, n)
                 if not same:
