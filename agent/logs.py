@@ -41,7 +41,8 @@ MAX_PENDING_BYTES = 1 << 20
 DESCRIPTION = (
     "Show a log of the state directory, redacted as GET /logs shows it: agent.log (the "
     "default), trainer.log (--trainer, LibreYOLO's own output), supervisor.log (--supervisor, "
-    "the agent's output as `supervise` captured it) or guard.log (--guard). --follow goes on "
+    "the agent's output as `supervise` captured it) or guard.log (--guard); the word does as "
+    "its option (`logs guard` is `logs --guard`). --follow goes on "
     "showing new lines like `tail -F`: through a rotation or a truncation, until Ctrl-C."
 )
 
@@ -49,6 +50,7 @@ EPILOG = """\
 exit codes:
   0  shown (with --follow: ended by Ctrl-C or by the reader going away)
   1  the log cannot be read (no such file without --follow, or no permission)
+  2  a usage mistake (two logs named, a negative -n)
 """
 
 
@@ -62,6 +64,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=HelpFormatter,
+    )
+    lg.add_argument(
+        "name",
+        nargs="?",
+        choices=list(LOG_FILES),
+        metavar="LOG",
+        help=f"which log, as a word: {', '.join(LOG_FILES)} (the same as its option)",
     )
     which = lg.add_mutually_exclusive_group()
     for name, file in LOG_FILES.items():
@@ -88,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="agent state directory (default: $LIBREYOLO_AGENT_STATE_DIR, else "
         "/var/lib/libreyolo-agent)",
     )
-    lg.set_defaults(func=cmd_logs, log="agent")
+    lg.set_defaults(func=cmd_logs, log=None)
 
 
 def log_path(args: argparse.Namespace) -> Path:
@@ -96,10 +105,26 @@ def log_path(args: argparse.Namespace) -> Path:
     from agent.config.model import Env
 
     state_dir = Path(args.state_dir or Env.from_environ().state_dir)
-    return state_dir / LOG_FILES[args.log]
+    return state_dir / LOG_FILES[chosen_log(args)]
+
+
+def chosen_log(args: argparse.Namespace) -> str:
+    """The log asked for by its word (``logs guard``) or its option (``--guard``); agent.log
+    when neither. Both, naming two logs, is a :class:`ValueError`."""
+    name, option = getattr(args, "name", None), args.log
+    if name and option and name != option:
+        raise ValueError(f"'{name}' and --{option} name two logs: give one")
+    return name or option or "agent"
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from agent.client import err
+
+    try:
+        args.log = chosen_log(args)
+    except ValueError as exc:
+        err(str(exc))
+        return 2
     try:
         return _show(args)
     except KeyboardInterrupt:  # Ctrl-C is how a person ends a follow (or a long tail)

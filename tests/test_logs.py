@@ -66,6 +66,28 @@ def test_each_option_shows_its_own_file(state: Path, which: str) -> None:
     assert proc.stdout == f"this is {which}\n"
 
 
+@pytest.mark.parametrize("which", sorted(LOG_FILES))
+def test_each_log_can_be_named_as_a_word_too(state: Path, which: str) -> None:
+    # `logs guard` as a person types it, the same as `logs --guard` (it was a usage error).
+    for name, file in LOG_FILES.items():
+        (state / file).write_text(f"this is {name}\n")
+    proc = run_logs(state, which)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"this is {which}\n"
+    same = run_logs(state, which, f"--{which}")
+    assert (same.returncode, same.stdout) == (0, f"this is {which}\n"), same.stderr
+
+
+def test_a_word_and_an_option_naming_two_logs_is_one_line_and_exit_2(state: Path) -> None:
+    (state / "guard.log").write_text("guard\n")
+    proc = run_logs(state, "guard", "--trainer")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "libreyolo-agent: error: 'guard' and --trainer name two logs: give one\n"
+    unknown = run_logs(state, "gaurd")
+    assert unknown.returncode == 2 and "invalid choice: 'gaurd'" in unknown.stderr
+    assert "Traceback" not in proc.stderr + unknown.stderr
+
+
 def test_a_missing_log_is_one_line_and_exit_1(state: Path) -> None:
     proc = run_logs(state, "--trainer")
     assert proc.returncode == 1
