@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent import __version__, demo, logs
-from agent.client import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, HelpFormatter, err
+from agent.client import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, HelpFormatter, err, refuse_extra
 from agent.client import add_parsers as add_client_parsers
 from agent.config.jobfile import load_job
 from agent.config.model import ConfigError, Env, Job
@@ -572,7 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args, extra = (parser := build_parser()).parse_known_args(argv)
+            if extra:
+                refuse_extra(parser, args.command, extra)  # exits 2, as parse_args would
             code: int = args.func(args)
         finally:
             # Written now, inside the handler below: at the interpreter's exit a closed pipe

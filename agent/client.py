@@ -523,3 +523,19 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="print http://localhost:PORT/#token=TOKEN (the port the agent listens on) instead",
     )
     t.set_defaults(func=cmd_token)
+
+
+def refuse_extra(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """What ``parse_args`` says of arguments nothing takes, but in the command's own usage, and
+    with the fix where one looks like a job file given to a command that reads the state
+    directory (``status job.toml``). Exits 2."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    command_parser = commands.get(command, parser)
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    takes_job = any(a.dest == "job" for a in command_parser._actions)
+    if any(word.endswith(".toml") for word in extra) and not takes_job:
+        message += (
+            f"; `{command}` takes no job file: it reads the agent's state directory "
+            "(--state-dir DIR; default $LIBREYOLO_AGENT_STATE_DIR, else /var/lib/libreyolo-agent)"
+        )
+    command_parser.error(message)

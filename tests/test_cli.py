@@ -83,6 +83,36 @@ def refusing_port() -> Iterator[int]:
 # A bad job file: every mistake at once
 
 
+@pytest.mark.parametrize("command", ["status", "stop", "token", "release"])
+def test_a_job_file_given_to_a_state_directory_command_gets_its_usage_and_the_fix(
+    tmp_path: Path, command: str
+) -> None:
+    # `status job.toml` is what a person types; argparse alone answered with the top-level
+    # usage and "unrecognized arguments", naming neither the command nor the fix.
+    proc = cli(tmp_path, command, "job.toml")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"usage: libreyolo-agent {command} "), proc.stderr
+    assert (
+        f"libreyolo-agent {command}: error: unrecognized arguments: job.toml; `{command}` takes "
+        "no job file: it reads the agent's state directory (--state-dir DIR;"
+    ) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_extra_arguments_are_refused_in_the_commands_own_usage(tmp_path: Path) -> None:
+    two_jobs = cli(tmp_path, "check", "a.toml", "b.toml")  # check takes one: no state dir hint
+    assert two_jobs.returncode == 2
+    assert two_jobs.stderr.startswith("usage: libreyolo-agent check ")
+    assert two_jobs.stderr.endswith(
+        "libreyolo-agent check: error: unrecognized arguments: b.toml\n"
+    )
+    option = cli(tmp_path, "status", "--bogus")
+    assert option.returncode == 2
+    assert option.stderr.endswith(
+        "libreyolo-agent status: error: unrecognized arguments: --bogus\n"
+    )
+
+
 def test_check_reports_three_mistakes_at_once_one_line_each(tmp_path: Path) -> None:
     proc = cli(tmp_path, "check", str(write_job(tmp_path, THREE_MISTAKES)))
     assert proc.returncode == 2, proc.stderr
