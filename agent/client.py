@@ -297,7 +297,7 @@ def _post_action(args: argparse.Namespace, name: str, body: str = "") -> int:
     except urllib.error.HTTPError as exc:
         return _refused(args, name, _refusal(exc, f"/{name}"), exc.code)
     except (urllib.error.URLError, OSError) as exc:
-        return _refused(args, name, f"no agent answers on {base} ({_unreachable(exc)})")
+        return _refused(args, name, _no_agent_for(args, name, base, state_dir, exc))
     except ValueError:
         why = f"{base} answered POST /{name}, but not with libreyolo-agent's JSON; check --url"
         return _refused(args, name, why)
@@ -306,6 +306,27 @@ def _post_action(args: argparse.Namespace, name: str, body: str = "") -> int:
     else:
         print(answer.get("message", f"{name} requested"))
     return EXIT_OK
+
+
+def _no_agent_for(
+    args: argparse.Namespace, name: str, base: str, state_dir: Path, exc: OSError
+) -> str:
+    """Why ``name`` could not be asked: the job ended (state.json says so: nothing to ask),
+    or no agent runs for a job that has not ended; with ``--url`` alone, only the address."""
+    why = f"no agent answers on {base} ({_unreachable(exc)})"
+    record = _read_state(state_dir) if (args.state_dir or not args.url) else None
+    if record is None:
+        return why
+    if record.phase.terminal:
+        reason = f", reason {record.reason.value}" if record.reason else ""
+        return (
+            f"job {record.job_name!r} has ended ({record.phase.value}{reason}): no agent to "
+            f"{name}; `libreyolo-agent status` shows its record"
+        )
+    return (
+        f"{why}; job {record.job_name!r} is {record.phase.value} in {state_dir}: start its "
+        "agent again (libreyolo-agent run JOB.toml), then ask again"
+    )
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

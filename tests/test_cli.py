@@ -327,7 +327,34 @@ def test_stop_with_no_agent_is_one_clear_line(tmp_path: Path, refusing_port: int
     proc = cli(tmp_path, "stop")
     assert proc.returncode == 1
     (line,) = error_lines(proc)
-    assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
+    assert line == (
+        f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused); job 'run1' "
+        f"is TRAINING in {tmp_path / 'state'}: start its agent again (libreyolo-agent run "
+        "JOB.toml), then ask again"
+    )
+    # --url alone: the state directory is not read, the address is all there is to say.
+    proc = cli(tmp_path, "stop", "--url", f"http://127.0.0.1:{refusing_port}")
+    assert proc.returncode == 1
+    assert error_lines(proc) == [
+        f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
+    ]
+
+
+@pytest.mark.parametrize("command", [("stop",), ("extend", "1h"), ("hold",), ("release",)])
+def test_asking_an_ended_job_says_it_ended_not_that_the_agent_is_down(
+    tmp_path: Path, refusing_port: int, command: tuple[str, ...]
+) -> None:
+    # The agent exits at DONE: "no agent answers" was true, but it read as an agent gone down.
+    save_state(tmp_path / "state", Phase.DONE, refusing_port, reason=Reason.COMPLETED)
+    (tmp_path / "state" / "token").write_text("t\n", encoding="utf-8")
+    proc = cli(tmp_path, *command, "--json")
+    assert proc.returncode == 1
+    words = (
+        f"job 'run1' has ended (DONE, reason completed): no agent to {command[0]}; "
+        "`libreyolo-agent status` shows its record"
+    )
+    assert error_lines(proc) == [words]
+    assert json.loads(proc.stdout) == {"ok": False, "action": command[0], "error": words}
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,7 +565,10 @@ def test_steering_with_no_agent_is_one_clear_line(
     proc = cli(tmp_path, *command)
     assert proc.returncode == 1
     (line,) = error_lines(proc)
-    assert line == f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused)"
+    assert line.startswith(
+        f"no agent answers on http://127.0.0.1:{refusing_port} (connection refused); job 'run1' "
+        "is TRAINING in "
+    )
 
 
 # --------------------------------------------------------------------------------------------
