@@ -261,6 +261,13 @@ def _read_token(state_dir: Path) -> str | None:
     cannot be read."""
     try:
         return (state_dir / "token").read_text().strip()
+    except FileNotFoundError:
+        # No agent ever started with this state directory (it writes the token first thing).
+        err(
+            f"no control token in {state_dir}: no agent has run with this state directory; pass "
+            "--state-dir (or set LIBREYOLO_AGENT_STATE_DIR) to the one the agent uses"
+        )
+        return None
     except OSError as exc:
         err(
             f"cannot read the control token in {state_dir} ({exc.strerror}); run as the agent's "

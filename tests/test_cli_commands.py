@@ -132,10 +132,24 @@ def test_token_prints_the_token_and_a_login_url_for_the_agents_port(tmp_path: Pa
 
 
 def test_token_without_one_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    # No agent ever ran with this state directory: said so, with the fix (not "run as the
+    # agent's user", which is the fix for a token that is there but unreadable).
     proc = cli(tmp_path, "token")
     assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (
+        f"{PREFIX}no control token in {tmp_path / 'state'}: no agent has run with this state "
+        "directory; pass --state-dir (or set LIBREYOLO_AGENT_STATE_DIR) to the one the agent "
+        "uses\n"
+    )
+    stop = cli(tmp_path, "stop")
+    assert stop.returncode == 1 and stop.stderr.startswith(f"{PREFIX}no control token in ")
+    # A token that is there but cannot be read (here a folder in its place; as root, mode
+    # bits would not stop the read): the other fix.
+    (tmp_path / "state" / "token").mkdir(parents=True)
+    proc = cli(tmp_path, "token")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
     assert proc.stderr.startswith(PREFIX + "cannot read the control token in ")
-    assert len(proc.stderr.splitlines()) == 1
+    assert "run as the agent's user or pass --state-dir" in proc.stderr
 
 
 # ------------------------------------------------------------------------------ status
