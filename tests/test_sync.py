@@ -26,7 +26,7 @@ from agent.sync.engine import SyncEngine
 from agent.sync.ledger import ItemKind
 from agent.sync.uploads import Item
 from agent.trainer.rundir import read_status
-from tests.fakes.scripted_trainer import write_checkpoint
+from tests.fakes.scripted_trainer import read_checkpoint_epoch, write_checkpoint
 
 # --------------------------------------------------------------------------------------------
 # Fault injection
@@ -355,6 +355,48 @@ def test_milestones_follow_every_epochs_and_best_changes(tmp_path: Path) -> None
     assert sha256_file(remote / "agent" / "state.json") == sha256_file(state_file)
     for name in ("best.pt", "epoch_2.pt", "epoch_4.pt"):
         assert sha256_file(remote / "weights" / name) == sha256_file(run_dir / "weights" / name)
+
+
+def test_a_status_read_one_epoch_late_labels_the_checkpoint_with_the_epoch_it_holds(
+    tmp_path: Path,
+) -> None:
+    # Under load the agent read status.json saying epoch 4 when the trainer had already written
+    # epoch 5's last.pt: the epoch-4 milestone sent epoch 5's bytes labelled 4. At the epoch-5
+    # milestone the file is unchanged, so nothing goes again, but the label must say 5: before,
+    # last_synced_epoch stayed at 4 for good while the target held epoch 5 (a new box then
+    # trusted the target and the status page under-reported; tests/test_new_box.py waited).
+    remote = tmp_path / "remote"
+    run_dir = tmp_path / "runs" / "run1"
+    run_dir.mkdir(parents=True)
+
+    async def scenario() -> tuple[int | None, int | None, int, dict[str, Any]]:
+        sink = FaultySink(remote)
+        engine = SyncEngine(sink, sync_cfg(remote), state_dir=tmp_path / "state")
+        async with running(engine, sink):
+            for epoch in (1, 2, 3, 4):
+                write_epoch(run_dir, epoch, total=30, best_epoch=epoch, save_period=0)
+            late = read_status(run_dir)  # says 4 ...
+            write_epoch(run_dir, 5, total=30, best_epoch=5, save_period=0)  # ... 5 is written
+            assert late is not None and late.completed_epochs == 4
+            await engine.on_epoch(run_dir, late)
+            assert await engine.drain(10)
+            before = engine.last_synced_epoch
+            now = read_status(run_dir)
+            assert now is not None and now.completed_epochs == 5
+            sent = len(sink.calls)
+            await engine.on_epoch(run_dir, now)
+            assert await engine.drain(10)
+            again = len(sink.calls) - sent
+            entries = {p: e.epoch for p, e in engine.ledger.entries.items()}
+            return before, engine.last_synced_epoch, again, entries
+
+    before, after, again, entries = asyncio.run(scenario())
+    assert read_checkpoint_epoch(remote / "weights" / "last.pt") == 5
+    assert before == 4  # the label the late status gave
+    assert after == 5  # what the target holds
+    assert entries["weights/last.pt"] == 5 and entries["weights/best.pt"] == 5
+    # Nothing was sent a second time: every file of epoch 5 had gone up with the late milestone.
+    assert again == 0
 
 
 def test_final_uploads_epoch_snapshots_never_seen_by_on_epoch(tmp_path: Path) -> None:

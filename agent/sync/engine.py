@@ -325,16 +325,18 @@ class SyncEngine:
         log.info("final sync: %d file(s) queued", queued)
         return queued
 
-    def _unchanged(self, src: Path, remote_path: str) -> bool:
-        """Whether ``src`` is, by its identity (:class:`~agent.sinks.digests.Digests`: any write
-        changes its ctime), the version the target holds or is about to: then nothing is
-        copied."""
+    def _unchanged(self, src: Path, remote_path: str) -> str | None:
+        """The sha256 of ``src`` when it is, by its identity (:class:`~agent.sinks.digests.
+        Digests`: any write changes its ctime), the version the target holds or is about to:
+        then nothing is copied. None otherwise."""
         try:
             st = src.stat()
         except OSError:
-            return False
+            return None
         digest = DIGESTS.peek(st)
-        return digest is not None and self._expected(remote_path) == (digest, st.st_size)
+        if digest is not None and self._expected(remote_path) == (digest, st.st_size):
+            return digest
+        return None
 
     def _expected(self, remote_path: str) -> tuple[str, int] | None:
         """(sha256, size) of what the target holds or is about to: the queued version, else
@@ -389,7 +391,10 @@ class SyncEngine:
         *,
         checkpoint: bool = True,
     ) -> Queued:
-        if self._unchanged(src, remote_path):
+        held = self._unchanged(src, remote_path)
+        if held is not None:
+            if epoch is not None:
+                self.uploads.raise_epoch(remote_path, held, epoch)
             return "unchanged"
         try:
             snap = await asyncio.to_thread(self.snapshots.take, src, checkpoint=checkpoint)
@@ -411,6 +416,8 @@ class SyncEngine:
         if self._expected(remote_path) == (snap.sha256, snap.size):
             if not snap.live:
                 unlink_quietly(snap.path)
+            if epoch is not None:
+                self.uploads.raise_epoch(remote_path, snap.sha256, epoch)
             return "unchanged"
         self.submit(
             Item(

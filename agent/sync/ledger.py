@@ -184,6 +184,17 @@ class Ledger:
         e.attempts, e.error = attempts, error
         self.persist()
 
+    def raise_epoch(self, remote_path: str, sha256: str, epoch: int) -> LedgerEntry | None:
+        """The content ``sha256`` of ``remote_path`` is known to hold ``epoch`` (status.json
+        said so while the file was this version): its entry's epoch goes up to it, never down.
+        The entry when it changed; None otherwise."""
+        e = self._current(remote_path, sha256)
+        if e is None or (e.epoch is not None and e.epoch >= epoch):
+            return None
+        e.epoch = epoch
+        self.persist()
+        return e
+
     def _current(self, remote_path: str, sha256: str) -> LedgerEntry | None:
         """The entry of ``remote_path`` if it still expects ``sha256``."""
         e = self.entries.get(remote_path)

@@ -34,7 +34,7 @@ from agent.config.model import SyncSection
 from agent.sinks import Sink, SinkError
 from agent.sync.batch import Outcome, Sent, failure_of, send_batch
 from agent.sync.commits import CommitWindow
-from agent.sync.ledger import ItemKind, Ledger
+from agent.sync.ledger import ItemKind, Ledger, LedgerStatus
 from agent.sync.snapshots import unlink_quietly
 from agent.sync.throttle import Throttle
 from agent.util import backoff
@@ -215,6 +215,25 @@ class UploadQueue:
             item = flight.item_of(remote_path)
             return item.sha256, item.size
         return None
+
+    def raise_epoch(self, remote_path: str, sha256: str, epoch: int) -> None:
+        """A milestone found ``remote_path`` unchanged since it was queued under an older epoch
+        (the trainer wrote the next epoch's checkpoint before the agent read the status of the
+        one before): the version queued, in flight or verified holds ``epoch``. Its label goes
+        up, so ``last_synced_epoch`` says what the target holds."""
+        owed = [self._pending.get(remote_path)]
+        flight = self._in_flight.get(remote_path)
+        if flight is not None:
+            owed.append(flight.item_of(remote_path))
+        for item in owed:
+            if item is not None and item.sha256 == sha256 and (item.epoch or 0) < epoch:
+                item.epoch = epoch
+        entry = self.ledger.raise_epoch(remote_path, sha256, epoch)
+        if entry is None:
+            return
+        if entry.status == LedgerStatus.VERIFIED and entry.kind in (ItemKind.LAST, ItemKind.EPOCH):
+            self.last_synced_epoch = max(self.last_synced_epoch or 0, epoch)
+        log.info("%s on the target holds epoch %d (its label said less)", remote_path, epoch)
 
     def snapshot_files(self) -> set[Path]:
         """The snapshot files of the uploads still owed (queued or in flight)."""
