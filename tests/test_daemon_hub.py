@@ -335,12 +335,14 @@ def test_hub_down_for_the_whole_run_never_blocks_training_and_blocks_destroy(
     errors = probe.errors()
     assert errors and all("HTTP 503" in e for e in errors), errors
 
-    # Both upload slots were still hanging when the agent ended, and no upload started after
-    # that: closing the sync engine stops its worker. (Up to 2 more hung commits: the
-    # post-mortem's report.json and report.md are sent, bounded, before the teardown call.)
+    # Uploads were still hanging when the agent ended, and no upload started after that:
+    # closing the sync engine stops its worker. Usually both slots hang; on a loaded machine
+    # one may still be in its backoff (up to 2 s) when the 3 s of FINISHING end, so at least
+    # one. (Up to 2 more hung commits: the post-mortem's report.json and report.md are sent,
+    # bounded, before the teardown call.)
     join_sync_threads(threads)
     hung = [r for r in hub.requests if r.route == "commit" and r.end - r.start >= 7.5]
-    assert 2 <= len(hung) <= 4, hung
+    assert 1 <= len(hung) <= 4, hung
     late = [
         r for r in hub.requests if r.route == "preupload" and r.start > max(h.start for h in hung)
     ]
