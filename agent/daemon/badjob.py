@@ -53,6 +53,7 @@ from agent.events import EventBus
 from agent.policy import teardown
 from agent.state import Phase, Reason, RunState, StateDirLocked, StateStore, transition
 from agent.util import logutil
+from agent.util.text import format_when
 
 if TYPE_CHECKING:
     from agent.staterecords import HistoryEntry, TeardownRecord
@@ -335,7 +336,7 @@ class _Handler:
             # no time to mend the file.
             assert previous is not None
             mark["judged_before"] = True  # and so on at every later start with this file
-            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(previous.updated_at))
+            when = format_when(previous.updated_at)
             return self._keep(
                 state,
                 f"the box is KEPT and keeps billing: this same job file was judged bad at {when} "
