@@ -299,6 +299,19 @@ def fmt(v: object) -> str:
     return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def start_line_repo(given: str) -> str:
+    """What the start line clones (LIBREYOLO_AGENT_REPO): ``--repo`` as given, a local path made
+    absolute (the line clones from another folder, where a relative path names nothing and git
+    exits 128 on every round), or by default .gpu/repo.bundle where there is one, else this
+    checkout."""
+    if not given:
+        bundle = REPO / ".gpu" / "repo.bundle"
+        return str(bundle) if bundle.is_file() else str(REPO)
+    if "://" not in given and Path(given).exists():
+        return str(Path(given).resolve())
+    return given
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -313,9 +326,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the rounds' and serve's cleanup run
     cpu = a.device == "cpu"
     a.imgsz, a.batch, a.workers = (64, 4, 0) if cpu else (320, 16, 2)
-    if not a.repo:
-        bundle = REPO / ".gpu" / "repo.bundle"
-        a.repo = str(bundle) if bundle.is_file() else str(REPO)
+    a.repo = start_line_repo(a.repo)
     a.out.mkdir(parents=True, exist_ok=True)
     line = next(
         (

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -194,3 +196,29 @@ def test_timed_trainer_writes_its_checkpoints_with_torch_save(tmp_path: Path) ->
     # writes it, not the scripted trainer's zipfile.
     header = (weights / "last.pt").read_bytes()[:8]
     assert header[:4] == b"PK\x03\x04" and int.from_bytes(header[6:8], "little") & 0x08
+
+
+def test_firstbox_clones_a_relative_local_repo_by_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench/firstbox.py --repo .gpu/repo.bundle` (relative, as typed in the repository root)
+    failed every agent round with git's exit 128 on an H100: the start line clones from another
+    folder. The path is made absolute; a URL and a path that does not exist pass unchanged."""
+    spec = importlib.util.spec_from_file_location("bench_firstbox", REPO / "bench" / "firstbox.py")
+    assert spec is not None and spec.loader is not None
+    firstbox = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(firstbox)
+    bundle = tmp_path / "sub" / "repo.bundle"
+    bundle.parent.mkdir()
+    bundle.write_bytes(b"# v2 git bundle\n")
+    monkeypatch.chdir(tmp_path)
+    assert firstbox.start_line_repo("sub/repo.bundle") == str(bundle.resolve())
+    assert firstbox.start_line_repo("sub/../sub/repo.bundle") == str(bundle.resolve())
+    assert (
+        firstbox.start_line_repo("https://example.invalid/x.git") == "https://example.invalid/x.git"
+    )
+    assert firstbox.start_line_repo("missing.bundle") == "missing.bundle"
+    assert firstbox.start_line_repo("") in (
+        str(REPO / ".gpu" / "repo.bundle"),
+        str(REPO),
+    )
