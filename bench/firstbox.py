@@ -33,7 +33,10 @@ The step columns: ``clone`` (start line to bootstrap's first line), install.sh's
 (``torch`` decision, ``venv``, ``pip``, ``check``), ``data`` (bare: download + unpack; the agent
 stages it itself, overlapped with the preflight), ``start`` (seconds from the first command to
 the trainer's start for bare, to the supervisor's start for the agent), ``preflight`` (the
-agent's PREFLIGHT phase, from state.json), ``epoch1`` (the figure compared), ``again`` (the
+agent's PREFLIGHT phase, from state.json), ``agent`` (first command to the agent's first phase
+change: the agent up), ``train`` (first command to the trainer's start for bare, to the agent's
+TRAINING phase for the agent: its warm trainer told to train, its imports and the GPU probe
+done), ``epoch1`` (the figure compared), ``again`` (the
 second boot). ``--device cpu`` (a sanity run on a machine without a GPU) uses a smaller dataset
 and image size and puts a stand-in ``nvidia-smi`` (an H200 on driver 580) on install.sh's PATH
 so the image's torch is kept as on a GPU box; its figures mean nothing.
@@ -154,6 +157,7 @@ class Lines:
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, cwd: str = "/") -> None:
         self.t0 = time.monotonic()
+        self.w0 = time.time()  # the same moment on the wall clock (state.json's times)
         self.lines: list[tuple[float, str]] = []
         with open(log, "w", encoding="utf-8") as out:
             proc = subprocess.Popen(
@@ -214,6 +218,7 @@ step end
     row["pip"] = steps["data"] - steps["pip"]
     row["data"] = steps["train"] - steps["data"]
     row["start"] = steps["train"] - run.t0
+    row["train"] = row["start"]  # the trainer's own start: its imports come after
     pid = next(int(line.split()[1]) for _, line in run.lines if line.startswith("@pid "))
     done = first_epoch(
         w / "runs", time.monotonic() + a.timeout, lambda: not os.path.exists(f"/proc/{pid}")
@@ -284,15 +289,32 @@ provider = "none"
         st = json.loads((state / "state.json").read_text())
         marks = [(str(h.get("to")), float(h["at"])) for h in st.get("history", []) if "at" in h]
         for i, (phase, at) in enumerate(marks):
-            if phase == "PREFLIGHT" and i + 1 < len(marks):
-                row["preflight"] = marks[i + 1][1] - at
+            if phase == "PREFLIGHT":
+                row["agent"] = at - run.w0  # the agent up: its first phase change
+                if i + 1 < len(marks):
+                    row["preflight"] = marks[i + 1][1] - at
+            if phase == "TRAINING" and "train" not in row:
+                row["train"] = at - run.w0  # the trainer told to train (warm: its imports done)
     again = Lines(["bash", "-c", stmt], oenv, w / "boot2.log")
     row["again"] = again.t1 - again.t0
     row["again_ok"] = again.rc == 0 and again.at("runs already") is not None
     return row
 
 
-COLS = ("clone", "torch", "venv", "pip", "check", "data", "start", "preflight", "epoch1", "again")
+COLS = (
+    "clone",
+    "torch",
+    "venv",
+    "pip",
+    "check",
+    "data",
+    "start",
+    "agent",
+    "preflight",
+    "train",
+    "epoch1",
+    "again",
+)
 
 
 def fmt(v: object) -> str:
