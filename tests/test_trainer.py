@@ -406,3 +406,42 @@ def test_process_tree_follows_children_across_sessions_reading_only_the_tree() -
             with contextlib.suppress(psutil.Error, ProcessLookupError):
                 proc.kill()
         parent.wait()
+
+
+def _ignored(pid: int) -> set[int]:
+    """The signals process ``pid`` ignores (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask & (1 << (n - 1))}
+    raise AssertionError(f"no SigIgn line for pid {pid}")
+
+
+def test_a_trainer_started_from_a_process_that_ignores_sigint_still_takes_sigint(
+    tmp_path: Path, reaper: list[tuple[int, float]]
+) -> None:
+    """A process started in the background by a non-interactive shell (`cmd &`, as CI runners
+    and on-start scripts do) ignores SIGINT and SIGQUIT, and an ignored signal stays ignored
+    across exec. The trainer must start with them at their defaults, or the agent's stop
+    (SIGINT: LibreYOLO saves and exits 130) is ignored until the grace period ends."""
+    run_dir = tmp_path / "runs" / "run1"
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+
+        async def launched() -> Trainer:
+            trainer = await launch(tmp_path, reaper, epochs=10_000, epoch_s=0.05)
+            await eventually(lambda: started(run_dir))
+            return trainer
+
+        trainer = asyncio.run(launched())
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    assert signal.SIGINT not in _ignored(trainer.pid)
+    assert signal.SIGQUIT not in _ignored(trainer.pid)
+
+    async def stop() -> str:
+        return await trainer.stop(stop_grace_s=60.0, kill_grace_s=1.0)
+
+    assert asyncio.run(stop()) == "SIGINT"
+    assert trainer.exit_code == 130
