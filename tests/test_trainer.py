@@ -288,9 +288,12 @@ def test_stop_of_an_exited_trainer_does_nothing(
 
 
 def spawn_orphan(*argv: str) -> TrainerRecord:
-    """Start ``argv`` through a launcher that exits at once: the process is not our child."""
+    """Start ``argv`` through a launcher that exits at once: the process is not our child.
+    SIGINT at its default, as an earlier agent starts every trainer (agent/trainer/spawn.py),
+    whatever this test process inherited."""
     launcher = (
-        "import subprocess, sys\n"
+        "import signal, subprocess, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
         "p = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL,"
         " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
         "print(p.pid)\n"
