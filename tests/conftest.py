@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,15 @@ os.environ.setdefault(
     "LIBREYOLO_AGENT_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"libreyolo-agent-tests-cache-{os.getuid()}"),
 )
+
+# Ctrl-C as a terminal gives it, whoever started the suite: a runner that starts it with `cmd &`
+# from a script leaves SIGINT ignored, and an ignored signal is passed on to every child the tests
+# start (a `logs --follow` ended by SIGINT then never ends). Only the first in-process Daemon of
+# a worker would set it back (asyncio's remove_signal_handler), so which tests saw it depended on
+# the order the files reached the worker. agent/trainer/spawn.py gives the trainer its defaults
+# whatever it inherits (tests/test_trainer.py ignores SIGINT on purpose to prove it).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 #: The per-test cap of a test that trains for real (``@pytest.mark.training``), unless it names
