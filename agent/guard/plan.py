@@ -28,13 +28,13 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from agent.state import atomic_write_json
+from agent.util.childenv import DEFAULT_SIGNALS
 from agent.util.childenv import child_env as _child_env
 
 #: ``typing.TYPE_CHECKING`` without importing typing (0.5 MiB the supervisor does not hold);
@@ -344,7 +344,7 @@ def _spawn(state_dir: Path) -> int:
         _child_env(),
         file_actions=actions,
         setsid=True,  # its own session: a signal to the agent's group never reaches it
-        setsigdef=(signal.SIGINT, signal.SIGTERM, signal.SIGPIPE),
+        setsigdef=DEFAULT_SIGNALS,
     )
 
 

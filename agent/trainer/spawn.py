@@ -8,18 +8,16 @@ the trainer's Python that runs preflight's probe first (with two pipes of its ow
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
+
+from agent.util.childenv import DEFAULT_SIGNALS
 
 
 class TrainerError(Exception):
     """The trainer could not be started (missing executable, unwritable log...)."""
 
-
-#: Signals a trainer starts with at their default action (see :func:`spawn_detached`).
-DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGPIPE)
 
 #: Environment variable that marks a trainer with the id of the launch that started it.
 LAUNCH_ENV = "LIBREYOLO_AGENT_LAUNCH_ID"
@@ -99,10 +97,7 @@ def spawn_detached(
         os.write(log_fd, f"\n=== libreyolo-agent {stamp}: {header}\n".encode())
         # posix_spawn has no cwd: a tiny shell changes directory, then becomes the trainer.
         shell = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', str(cwd), *argv]
-        # The stop signals at their defaults whatever this process inherited: a process started
-        # in the background by a non-interactive shell (`cmd &`) ignores SIGINT, and an ignored
-        # signal stays ignored across exec; a trainer that ignores SIGINT never takes
-        # LibreYOLO's clean stop (it waits out the grace period, then gets SIGTERM).
+        # The stop signals at their defaults whatever this process inherited (DEFAULT_SIGNALS).
         return os.posix_spawn(
             shell[0], shell, env, file_actions=actions, setsid=True, setsigdef=DEFAULT_SIGNALS
         )

@@ -5,8 +5,15 @@ long as the job, imports nothing more for it."""
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
 from pathlib import Path
+
+#: Signals a process of ours starts with at their default action, whatever this process
+#: inherited (``posix_spawn(setsigdef=...)``): a process started in the background by a
+#: non-interactive shell (`cmd &`) ignores SIGINT and SIGQUIT, and an ignored signal stays ignored
+#: across exec; a trainer ignoring SIGINT would never take LibreYOLO's clean stop.
+DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGPIPE)
 
 #: Fault injection for tests (agent/util/crashpoints.py): never inherited by a process of our own.
 CRASHPOINT_ENV = "LIBREYOLO_AGENT_CRASHPOINT"
