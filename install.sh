@@ -17,7 +17,8 @@
 # answers (5 s at most), else the default build. The choice and its reason are printed
 # (agent/install/torchpick.py holds the tables). Running it again changes nothing, and runs no pip when
 # the venv's stamp (.libreyolo-agent-install: what the last complete install was made from)
-# still matches. The agent is built without build isolation where the venv holds setuptools.
+# still matches. The agent's build backend is in this tree (standard library only): no build
+# isolation.
 #
 # Environment:
 #   VENV              where the environment goes               (default: .venv beside this script)
@@ -144,11 +145,44 @@ fi
 
 # ---- the environment
 t_venv="$(now)"
+# image_pip: the image's site-packages folder whose pip the new venv runs, seen through the .pth
+# below, instead of a pip of its own: `python -m venv` spends about 3 s installing pip (ensurepip
+# installs and compiles its ~800 files) on a box billed by the second. Only a pip new enough for
+# every option used here (23.0: --dry-run --report, --no-build-isolation) is taken.
+image_pip=""
+if [ "$action" = keep ]; then
+  IFS=: read -r -a dirs <<<"$pth_dirs"
+  for dir in "${dirs[@]}"; do
+    if [ -r "$dir/pip/__init__.py" ] \
+        && [[ "$(<"$dir/pip/__init__.py")" =~ __version__\ *=\ *[\"\']([0-9]+)\. ]] \
+        && [ "${BASH_REMATCH[1]}" -ge 23 ]; then
+      image_pip="$dir"
+      break
+    fi
+  done
+fi
 if [ ! -x "$venv/bin/python" ]; then
-  step "creating the virtual environment in $venv"
-  run "$python" -m venv "$venv"
+  if [ -n "$image_pip" ]; then
+    step "creating the virtual environment in $venv (no pip of its own: the image's, in $image_pip, installs into it)"
+    run "$python" -m venv --without-pip "$venv"
+  else
+    step "creating the virtual environment in $venv"
+    run "$python" -m venv "$venv"
+  fi
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# pip installs without compiling (it compiles one file after another: libreyolo's ~1,200 alone
+# took about 2 s of a 3 s install); compile() below does it on every core once pip is done.
+install=(install --no-compile)
+installed=0
+compile() {
+  if [ "$dry_run" = 1 ]; then
+    printf '+ %q -m compileall -qq -j0 <venv site-packages> %q\n' "$venv/bin/python" "$here/agent"
+  else
+    # pip ignores a file that does not compile (a package's test data): so does this.
+    "$venv/bin/python" -m compileall -qq -j0 "$(venv_site)" "$here/agent" || true
+  fi
+}
 # sees_torch [--expect DIR]...: which torch the venv imports, from its files (no import).
 sees_torch() { torchpick sees --python "$venv/bin/python" "$@"; }
 expect=()
@@ -183,6 +217,25 @@ elif [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
     rm -f "$pth"
   fi
 fi
+# The venv runs pip: its own, or the image's through the .pth (then bin/pip runs that one too, as
+# pip's own command would); a venv made without one whose .pth is gone gets its own now.
+if [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
+  site="$(venv_site)"
+  if [ -r "$site/pip/__init__.py" ]; then
+    :
+  elif [ -n "$image_pip" ] && [ -f "$site/$image_pth" ]; then
+    for name in pip pip3; do
+      if [ ! -e "$venv/bin/$name" ]; then
+        printf '#!%s\nimport sys\n\nfrom pip._internal.cli.main import main\n\nsys.exit(main())\n' \
+          "$venv/bin/python" >"$venv/bin/$name"
+        chmod 755 "$venv/bin/$name"
+      fi
+    done
+  else
+    step "installing pip into the venv (it has none of its own, and sees none)"
+    "$venv/bin/python" -m ensurepip --default-pip
+  fi
+fi
 
 t_pip="$(now)"
 targets=(-e "${here}[$agent_extras]")
@@ -211,27 +264,9 @@ elif [ "$dry_run" = 0 ]; then
   rm -f "$stamp_file"
 fi
 
-# No build isolation when the agent's build backend is in the venv already (setuptools >= 70.1,
-# or >= 68 with wheel): pip then builds it with that one instead of installing setuptools into a
-# throwaway environment first (about 2 s of every pip call that builds the agent).
-build_flags=()
-if [ "$recorded" = 0 ] && [ -x "$venv/bin/python" ] && "$venv/bin/python" - <<'PY'
-import importlib.metadata as md
-import sys
-
-def version(name):
-    try:
-        return tuple(int(p) for p in md.version(name).split(".")[:2])
-    except (md.PackageNotFoundError, ValueError):
-        return None
-
-setuptools = version("setuptools")
-ok = setuptools is not None and (setuptools >= (70, 1) or (setuptools >= (68, 0) and version("wheel")))
-sys.exit(0 if ok else 1)
-PY
-then
-  build_flags=(--no-build-isolation)
-fi
+# The agent's build backend is in this tree and needs only the standard library
+# (buildsys/agent_build.py): nothing to install into a throwaway build environment first.
+build_flags=(--no-build-isolation)
 
 if [ "$recorded" = 1 ]; then
   step "installing libreyolo-agent with extras [$agent_extras]${lib_extras:+ and libreyolo[$lib_extras]}"
@@ -242,7 +277,8 @@ else
     read -r -a torch_args <<<"$torch_spec"
     read -r -a torch_pip_args <<<"$torch_pip"
     step "installing torch first: $torch_spec${torch_pip:+ (with $torch_pip)}"
-    run "${pip[@]}" install ${torch_pip_args[@]+"${torch_pip_args[@]}"} "${torch_args[@]}"
+    run "${pip[@]}" "${install[@]}" ${torch_pip_args[@]+"${torch_pip_args[@]}"} "${torch_args[@]}"
+    installed=1
   fi
 
   # up_to_date: pip has nothing left to do but reinstall the editable agent, already installed
@@ -262,12 +298,17 @@ else
     return "$status"
   }
 
-  step "installing libreyolo-agent with extras [$agent_extras]${lib_extras:+ and libreyolo[$lib_extras]}${build_flags[*]:+ (${build_flags[*]}: the venv holds setuptools)}"
+  step "installing libreyolo-agent with extras [$agent_extras]${lib_extras:+ and libreyolo[$lib_extras]}"
   if up_to_date; then
     echo "already installed, nothing to change"
   else
     # No PIP_ARGS here: a CUDA wheel index holds torch, not libreyolo or the agent's dependencies.
-    run "${pip[@]}" install ${build_flags[@]+"${build_flags[@]}"} "${targets[@]}"
+    run "${pip[@]}" "${install[@]}" ${build_flags[@]+"${build_flags[@]}"} "${targets[@]}"
+    installed=1
+  fi
+  if [ "$installed" = 1 ]; then
+    step "compiling what pip installed (every core)"
+    compile
   fi
 fi
 

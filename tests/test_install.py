@@ -111,7 +111,7 @@ def test_cpu_machine_gets_the_default_torch_then_the_agent(
 ) -> None:
     (torch, agent), out = dry_run(tmp_path, *args)
     assert agent.endswith(extras), agent  # printf %q escapes the brackets and commas
-    assert torch.endswith("install torch==2.14.1 torchvision==0.29.1")
+    assert torch.endswith("install --no-compile torch==2.14.1 torchvision==0.29.1")
     assert "no nvidia-smi: a CPU machine" in out
     assert "gpu" not in agent  # NVML is our own ctypes binding (agent/gpu/nvml.py): no gpu extra
     # PyTorch's CPU index (a closed port here) refused at once: the default, saying what it costs.
@@ -122,7 +122,9 @@ def test_cpu_machine_gets_the_default_torch_then_the_agent(
 def test_cpu_machine_takes_the_cpu_wheels_where_the_index_answers(tmp_path: Path) -> None:
     with cpu_index(CPU_PAGES) as base:
         (torch, agent), out = dry_run(tmp_path, index_base=base)
-    assert torch.endswith(f"install --index-url {base}/cpu torch==2.14.1 torchvision==0.29.1")
+    assert torch.endswith(
+        f"install --no-compile --index-url {base}/cpu torch==2.14.1 torchvision==0.29.1"
+    )
     assert "--index-url" not in agent  # the CPU index holds torch, not the agent's dependencies
     assert f"PyTorch's CPU wheels from {base}/cpu" in out
 
@@ -140,7 +142,7 @@ def test_driver_550_box_installs_a_cu124_torch_before_libreyolo(tmp_path: Path) 
     base = "http://127.0.0.1:9/whl"
     (torch, agent), out = dry_run(tmp_path, smi="550.127.05, NVIDIA L4, 8.9\n", index_base=base)
     assert "torch==2.6.0 torchvision==0.21.0" in torch and torch.split(" install ")[1].startswith(
-        f"--index-url {base}/cu124"
+        f"--no-compile --index-url {base}/cu124"
     )
     assert "--index-url" not in agent
     assert "the driver runs CUDA <= 12.4" in out

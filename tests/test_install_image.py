@@ -93,6 +93,21 @@ def site_of(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+def wheel_folder(found: Path) -> Path:
+    """The box's wheel folder: the agent's dependencies (this interpreter's, repacked) and a
+    stand-in libreyolo requiring the torch it does (no torch in it). No setuptools: the agent's
+    build backend is in its own tree (buildsys/)."""
+    found.mkdir()
+    for name in wheels.closure(AGENT_REQUIREMENTS):
+        wheels.repack(name, found)
+    torch_reqs = [
+        r for r in md.requires("libreyolo") or () if Requirement(r).name in ("torch", "torchvision")
+    ]
+    assert len(torch_reqs) == 2, torch_reqs
+    wheels.standin("libreyolo", md.version("libreyolo"), torch_reqs, found)
+    return found
+
+
 @pytest.fixture(scope="session")
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     """The image venv, the wheel folder, a fake nvidia-smi, and install.sh run twice."""
@@ -103,16 +118,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
     # An old psutil in the image: the agent needs >= 5.9, so pip installs its own in the venv.
     write_dist(image_site, "psutil", "5.0.0", {"psutil/__init__.py": "__version__ = '5.0.0'\n"})
 
-    found = root / "wheels"
-    found.mkdir()
-    for name in wheels.closure(AGENT_REQUIREMENTS):
-        wheels.repack(name, found)
-    wheels.repack("setuptools", found)  # the agent's build backend (pip builds it isolated)
-    torch_reqs = [
-        r for r in md.requires("libreyolo") or () if Requirement(r).name in ("torch", "torchvision")
-    ]
-    assert len(torch_reqs) == 2, torch_reqs
-    wheels.standin("libreyolo", md.version("libreyolo"), torch_reqs, found)
+    found = wheel_folder(root / "wheels")
     assert not list(found.glob("torch*")), "the wheel folder must hold no torch"
 
     bin_dir = root / "bin"
@@ -134,9 +140,10 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
     project.mkdir()
     for name in ("install.sh", "pyproject.toml", "README.md"):
         shutil.copy2(REPO_ROOT / name, project / name)
-    shutil.copytree(
-        REPO_ROOT / "agent", project / "agent", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for folder in ("agent", "buildsys"):
+        shutil.copytree(
+            REPO_ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
     pip_log = root / "pip.log"
     env = offline_env(bin_dir, image_python, venv, found)
     env["PIP_LOG"] = str(pip_log)  # pip appends to it at every run
@@ -236,9 +243,10 @@ def test_a_second_run_changes_nothing_and_still_sees_the_torch(box: dict[str, ob
     assert "(as recorded in " in second
     logged = box["logged"]
     assert isinstance(logged, list) and logged[0] and logged[1] == logged[0]
-    # The first run built the agent in an isolated environment: this venv holds no setuptools
-    # of its own that is new enough (test_a_venv_with_setuptools_builds_without_isolation).
-    assert "Installing build dependencies" in logged[0]
+    # The first run built the agent with its in-tree backend: no build dependencies, and no
+    # setuptools anywhere (the wheel folder holds none, the venv and the image neither).
+    assert "Successfully installed" in logged[0] and "libreyolo-agent" in logged[0]
+    assert "Installing build dependencies" not in logged[0]
 
 
 @pytest.mark.timeout(2400)
@@ -254,31 +262,51 @@ def test_a_changed_pyproject_runs_pip_again(box: dict[str, object]) -> None:
 
 
 @pytest.mark.timeout(2400)
-def test_a_venv_with_setuptools_builds_without_isolation(
-    box: dict[str, object], tmp_path: Path
-) -> None:
-    """The venv holds the agent's build backend (setuptools >= 70.1): pip builds the agent with
-    it, installing no build dependencies into a throwaway environment first."""
-    env = dict(box["env"])  # type: ignore[call-overload]
-    venv = tmp_path / "venv"
-    subprocess.run([env["PYTHON"], "-m", "venv", str(venv)], check=True, env=env)
-    # As install.sh makes it on this box (the image's torch kept), then its setuptools added.
-    pth = site_of(venv / "bin" / "python") / "_libreyolo_image_torch.pth"
-    pth.write_text(f"{box['image_site']}\n", encoding="utf-8")
-    subprocess.run(  # the wheel folder's setuptools (this interpreter's, repacked)
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "setuptools>=70.1"],
+def test_an_image_with_pip_lends_it_to_the_venv(tmp_path: Path) -> None:
+    """The image's site-packages hold a pip (many GPU images do): the venv is made without one
+    of its own (ensurepip's ~3 s saved), the image's installs into it through the .pth, and
+    the venv's bin/pip runs that one. A second run changes nothing."""
+    image_python = image_venv(tmp_path / "image")
+    subprocess.run(  # offline: ensurepip's own wheel
+        [str(image_python), "-m", "ensurepip", "--default-pip"],
         check=True,
-        env=env,
+        capture_output=True,
     )
-    env.update(VENV=str(venv), PIP_LOG=str(tmp_path / "pip.log"))
-    proc = subprocess.run(
-        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+    image_site = site_of(image_python)
+    assert (image_site / "pip" / "__init__.py").is_file()
+    found = wheel_folder(tmp_path / "wheels")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
     )
-    assert proc.returncode == 0, out(proc)[-4000:]
-    assert "(--no-build-isolation: the venv holds setuptools)" in proc.stdout
-    logged = (tmp_path / "pip.log").read_text(encoding="utf-8")
-    assert "Successfully installed" in logged and "libreyolo-agent" in logged
-    assert "Installing build dependencies" not in logged
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    venv = tmp_path / "venv"
+    env = offline_env(bin_dir, image_python, venv, found)
+    runs = []
+    for _ in range(2):
+        runs.append(
+            subprocess.run(
+                ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+            )
+        )
+        assert runs[-1].returncode == 0, out(runs[-1])[-4000:]
+    first = out(runs[0])
+    assert f"(no pip of its own: the image's, in {image_site}, installs into it)" in first
+    assert "installing pip into the venv" not in first
+    venv_site = site_of(venv / "bin" / "python")
+    assert not (venv_site / "pip").exists()
+    assert list(venv_site.glob("libreyolo_agent-*.dist-info")), sorted(venv_site.iterdir())
+    # bin/pip runs the image's pip, installing into this venv.
+    shown = subprocess.run(
+        [str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, env=env
+    )
+    assert shown.returncode == 0 and str(image_site / "pip") in shown.stdout, shown
+    # pip installed without compiling; install.sh compiled what it installed on every core.
+    assert "compiling what pip installed" in first
+    assert list((venv_site / "psutil" / "__pycache__").glob("*.pyc")), "not compiled"
+    second = out(runs[1])
+    assert "(as recorded in " in second and "creating the virtual environment" not in second
 
 
 def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> None:
@@ -341,7 +369,6 @@ def test_an_image_that_holds_libreyolo_gets_the_command_in_the_venv(tmp_path: Pa
     found.mkdir()
     for name in wheels.closure(AGENT_REQUIREMENTS):
         wheels.repack(name, found)
-    wheels.repack("setuptools", found)
     assert not list(found.glob("libreyolo-*")), "the wheel folder must hold no libreyolo"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
