@@ -68,8 +68,6 @@ AGENT_REQUIREMENTS = [
     "watchdog>=4",
     "psutil>=5.9",
     "huggingface_hub>=1.3.2",
-    "httpx>=0.23,<1",
-    "httpx2>=2,<3",
     "pyyaml>=6",
     "prometheus-client>=0.20",
     "libreyolo==1.6.0",
