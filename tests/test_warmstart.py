@@ -386,3 +386,57 @@ def test_a_warm_started_trainer_outlives_the_agent_and_is_reattached(tmp_path: P
     log = (env.state_dir / "agent.log").read_text()
     assert f"re-attached to trainer pid={pid}" in log
     assert log.count("trainer started pid=") == 1
+
+
+@pytest.mark.training
+@requires_libreyolo
+def test_the_warm_trainer_starts_before_the_agent_is_up(tmp_path: Path) -> None:
+    """The probe is the longest step before the first epoch: the agent starts its process
+    before its own start-up (the sync target's recovery, the HTTP server, the provider and
+    target checks), and that same process trains."""
+    dataset = demo.make_dataset(tmp_path / "data" / "ds")
+    job = daemon_job(tmp_path, dataset, epochs=1)
+    job = dataclasses.replace(job, preflight=PreflightSection(enabled=True, allow_cpu=True))
+    env = env_for(tmp_path)
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0 and daemon.trainer is not None
+    log = (env.state_dir / "agent.log").read_text()
+    found = re.search(r"warm start: trainer pid=(\d+) runs the GPU probe", log)
+    assert found is not None and int(found.group(1)) == daemon.trainer.pid
+    assert found.start() < log.index("http listening") < log.index("phase BOOTING -> PREFLIGHT")
+    assert daemon.state.reason is not None and daemon.state.reason.value == "completed"
+
+
+@requires_libreyolo
+def test_a_job_that_fails_the_target_check_calls_the_early_warm_trainer_off(
+    tmp_path: Path,
+) -> None:
+    """Started before the provider and target checks, the warm trainer is called off when they
+    fail: nothing trains, and nothing of it is left while the box is torn down."""
+    dataset = demo.make_dataset(tmp_path / "data" / "ds")
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    job = daemon_job(tmp_path, dataset, epochs=1, sync=False)
+    job = dataclasses.replace(
+        job,
+        preflight=PreflightSection(enabled=True, allow_cpu=True),
+        sync=job_from_dict(
+            {
+                "train": {"data": str(dataset)},
+                "sync": {"target": f"file://{blocker}/sub"},
+            }
+        ).sync,
+    )
+    env = env_for(tmp_path)
+    code, daemon, _ = asyncio.run(run_daemon(job, env))
+    assert code == 0
+    assert daemon.state.reason is not None and daemon.state.reason.value == "preflight_failed"
+    assert "target.canary" in (daemon.state.cause or "")
+    assert daemon.state.trainer is None and daemon.state.launch is None
+    log = (env.state_dir / "agent.log").read_text()
+    found = re.search(r"warm start: trainer pid=(\d+) runs the GPU probe", log)
+    assert found is not None, log[-3000:]
+    pid = int(found.group(1))
+    gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert gone, f"the warm trainer {pid} was left running"
+    assert "phase BOOTING -> PREFLIGHT" not in log  # it never got to preflight

@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from agent.daemon.context import RunContext
 from agent.daemon.doctor import DoctorBeside, runs_beside
 from agent.data import staging
 from agent.trainer.process import ProcessLauncher
+
+if TYPE_CHECKING:
+    from agent.trainer.warmstart import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,35 @@ class Preparation:
         self.ctx = ctx
         #: Queued by a staging that passed when the doctor runs beside the trainer.
         self.doctor = doctor
+        #: The warm trainer started early (:meth:`start_warm`), until preflight takes it.
+        self.warm: WarmStart | None = None
+
+    def start_warm(self) -> None:
+        """Start the warm trainer now, before the agent's own start-up (its HTTP server, the
+        sync target's recovery, the provider and target checks) is done: its probe, torch's
+        import and CUDA's start-up, is the longest step before the first epoch, and it needs
+        none of those. Preflight reads its report; :meth:`drop_early_warm` calls it off when the job
+        ends before preflight."""
+        ctx = self.ctx
+        launcher = ctx.launcher
+        if not (ctx.job.preflight.warm_start and isinstance(launcher, ProcessLauncher)):
+            return
+        from agent.trainer.warmstart import for_job
+
+        self.warm = for_job(
+            ctx.job,
+            launcher,
+            log_path=ctx.store.path("trainer.log"),
+            result_path=ctx.store.path("trainer-result.json"),
+        )
+        if self.warm is not None:
+            self.warm.start()
+
+    async def drop_early_warm(self) -> None:
+        """Call off a warm trainer started early that preflight did not take."""
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            await asyncio.shield(warm.abort())
 
     async def preflight(self, may_stage: asyncio.Event) -> bool:
         """The full preflight; ``may_stage`` is set once the disk and Hub checks passed (the
@@ -44,8 +77,8 @@ class Preparation:
                 may_stage.set()
 
         launcher = ctx.launcher
-        warm = None
-        if ctx.job.preflight.warm_start and isinstance(launcher, ProcessLauncher):
+        warm, self.warm = self.warm, None  # started early (start_warm), else now
+        if warm is None and ctx.job.preflight.warm_start and isinstance(launcher, ProcessLauncher):
             from agent.trainer.warmstart import for_job
 
             warm = for_job(

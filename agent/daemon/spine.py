@@ -263,6 +263,16 @@ class Daemon:
         resume_at = self._adopt(previous)
         if resume_at is None:
             return 0
+        if resume_at == Phase.PREFLIGHT and ctx.job.preflight.enabled:
+            # The longest step before the first epoch starts first (agent/daemon/prepare.py).
+            self.prepare.start_warm()
+        try:
+            return await self._start(resume_at, previous)
+        finally:
+            await self.prepare.drop_early_warm()  # started, and the job ended before preflight
+
+    async def _start(self, resume_at: Phase, previous: RunState | None) -> int:
+        ctx = self.ctx
         if ctx.notifier is not None:
             ctx.spawn(ctx.notifier.run(), "notify")
         ctx.events.publish(
@@ -362,6 +372,7 @@ class Daemon:
 
             # Provider, key and sync target: proven always, preflight on or off.
             if not await essentials.gate(ctx):
+                await self.prepare.drop_early_warm()
                 return await self.ending.teardown(Reason.PREFLIGHT_FAILED)
             if ctx.job.preflight.enabled:
                 transition(ctx.state, Phase.PREFLIGHT)  # BOOTING -> PREFLIGHT

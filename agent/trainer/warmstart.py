@@ -1,7 +1,8 @@
 """The agent's side of the warm start (``agent/trainer/warm_entry.py``): one process probes, then
 trains.
 
-:class:`WarmStart` starts the trainer's Python when preflight begins, exactly as a trainer is
+:class:`WarmStart` starts the trainer's Python as soon as the agent knows the job runs preflight
+(:meth:`WarmStart.start`, before the agent's own start-up is done), exactly as a trainer is
 started (own session, the launch's log and result files, ``LAUNCH_ENV``), with two pipes:
 it reads the probe's stages and document from one (:meth:`WarmStart.probe`, a drop-in for
 preflight's child probe) and holds the other, the gate, until the launch. Then
@@ -61,6 +62,8 @@ _LOG_TAIL = 4000
 _REPORT_MAX = 1 << 22
 #: Seconds a called-off process gets to leave by itself before its group is killed.
 _CALL_OFF_S = 2.0
+#: Seconds the report of a process started long before preflight asked is waited for at least.
+_READ_AT_LEAST_S = 5.0
 
 
 def trainer_python(command: str | None = None) -> str | None:
@@ -134,6 +137,11 @@ class WarmStart:
         self.create_time: float | None = None
         self._id = uuid.uuid4().hex
         self._gate: int | None = None
+        #: The report pipe's reading end, from :meth:`start` until :meth:`probe` reads it.
+        self._report: int | None = None
+        #: When :meth:`start` ran (monotonic), and why the process could not start.
+        self._started: float | None = None
+        self._start_error: str | None = None
         self._reported = False
         self._log_offset = 0
 
@@ -147,10 +155,14 @@ class WarmStart:
 
     # ------------------------------------------------------------------ the probe
 
-    async def probe(self, timeout_s: float) -> ProbeResult:
-        """Start the process and read its probe's report, within ``timeout_s``; never raises
-        for a problem of the process (as :func:`agent.preflight.runner.run_probe`)."""
-        t0 = time.monotonic()
+    def start(self) -> None:
+        """Start the process (its probe runs at once); :meth:`probe` reads its report. Called
+        as early as the agent knows the job will run preflight: the probe (torch's import and
+        CUDA's start-up) is the longest step before the first epoch. Never raises: a process
+        that could not start is what :meth:`probe` reports."""
+        if self._started is not None:
+            return
+        self._started = time.monotonic()
         argv = self.argv()
         env = trainer_env(argv, self._id)
         paths = [*self.extra_pythonpath, *filter(None, env["PYTHONPATH"].split(os.pathsep))]
@@ -179,14 +191,30 @@ class WarmStart:
         except TrainerError as exc:
             os.close(report_r)
             os.close(gate_w)
-            return ProbeResult(None, 0.0, None, error=str(exc))
+            self._start_error = str(exc)
+            return
         finally:
             os.close(report_w)  # the child has its own copies (3 and 4), or there is none
             os.close(gate_r)
-        self._gate = gate_w
+        self._gate, self._report = gate_w, report_r
         with contextlib.suppress(psutil.Error):
             self.create_time = psutil.Process(self.pid).create_time()
         log.info("warm start: trainer pid=%d runs the GPU probe", self.pid)
+
+    async def probe(self, timeout_s: float) -> ProbeResult:
+        """Start the process (unless :meth:`start` did) and read its probe's report, within
+        ``timeout_s`` of its start; never raises for a problem of the process (as
+        :func:`agent.preflight.runner.run_probe`)."""
+        self.start()
+        assert self._started is not None
+        t0 = self._started
+        if self._start_error is not None:
+            return ProbeResult(None, 0.0, None, error=self._start_error)
+        report_r, self._report = self._report, None
+        if report_r is None:
+            return ProbeResult(None, 0.0, None, error="the warm start's report was read already")
+        # From its start; a report already waiting in the pipe still gets a moment to be read.
+        timeout_s = max(_READ_AT_LEAST_S, timeout_s - (time.monotonic() - t0))
         stages: list[str] = []
         doc: Any = None
         timed_out = False
@@ -307,6 +335,9 @@ class WarmStart:
         gate, self._gate = self._gate, None
         if gate is not None:
             os.close(gate)
+        report, self._report = self._report, None
+        if report is not None:  # started early, never probed
+            os.close(report)
         pid, self.pid = self.pid, None
         if pid is None:
             return None
