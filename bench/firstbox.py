@@ -37,9 +37,10 @@ agent's PREFLIGHT phase, from state.json), ``agent`` (first command to the agent
 change: the agent up), ``train`` (first command to the trainer's start for bare, to the agent's
 TRAINING phase for the agent: its warm trainer told to train, its imports and the GPU probe
 done), ``epoch1`` (the figure compared), ``again`` (the
-second boot). ``--device cpu`` (a sanity run on a machine without a GPU) uses a smaller dataset
-and image size and puts a stand-in ``nvidia-smi`` (an H200 on driver 580) on install.sh's PATH
-so the image's torch is kept as on a GPU box; its figures mean nothing.
+second boot). ``--no-doctor`` gives the agent's job ``dataset.doctor = false`` (what the dataset
+doctor beside the first epoch costs). ``--device cpu`` (a sanity run on a machine without a
+GPU) uses a smaller dataset and image size and puts a stand-in ``nvidia-smi`` (an H200 on driver
+580) on install.sh's PATH so the image's torch is kept as on a GPU box; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ device = "{a.device}"
 repo = "{repo}"
 file = "{file}"
 dest = "{w}/data"
-data_yaml = "boxes/data.yaml"
+data_yaml = "boxes/data.yaml"{"" if a.doctor else chr(10) + "doctor = false"}
 [teardown]
 provider = "none"
 """
@@ -343,6 +344,12 @@ def main() -> int:
     p.add_argument("--repo", default="", help="git URL or bundle the start line clones")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for epoch 1")
+    p.add_argument(
+        "--no-doctor",
+        dest="doctor",
+        action="store_false",
+        help="the agent's job without the dataset doctor (dataset.doctor = false): what it costs",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "firstbox-out"))
     a = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the rounds' and serve's cleanup run
@@ -435,7 +442,12 @@ def main() -> int:
                     + ", ".join(f"{k} {fmt(row.get(k))}" for k in ("rc", *COLS) if k in row),
                     flush=True,
                 )
-                for log in [*w.glob("*.log"), *w.glob("state/*.log"), *w.glob("state/*.out")]:
+                for log in [
+                    *w.glob("*.log"),
+                    *w.glob("state/*.log"),
+                    *w.glob("state/*.out"),
+                    *w.glob("state/*.json"),
+                ]:
                     shutil.copy2(log, a.out / f"{recipe}{i}-{log.name}")
     finally:
         serve.terminate()
