@@ -17,8 +17,8 @@
 # answers (5 s at most), else the default build. The choice and its reason are printed
 # (agent/install/torchpick.py holds the tables). Running it again changes nothing, and runs no pip when
 # the venv's stamp (.libreyolo-agent-install: what the last complete install was made from)
-# still matches. The agent's build backend is in this tree (standard library only): no build
-# isolation.
+# still matches. The agent's build backend is in this tree (buildsys/, standard library only):
+# its isolated build installs nothing first.
 #
 # Environment:
 #   VENV              where the environment goes               (default: .venv beside this script)
@@ -148,7 +148,7 @@ t_venv="$(now)"
 # image_pip: the image's site-packages folder whose pip the new venv runs, seen through the .pth
 # below, instead of a pip of its own: `python -m venv` spends about 3 s installing pip (ensurepip
 # installs and compiles its ~800 files) on a box billed by the second. Only a pip new enough for
-# every option used here (23.0: --dry-run --report, --no-build-isolation) is taken.
+# every option used here (23.0: --dry-run --report) is taken.
 image_pip=""
 if [ "$action" = keep ]; then
   IFS=: read -r -a dirs <<<"$pth_dirs"
@@ -264,10 +264,6 @@ elif [ "$dry_run" = 0 ]; then
   rm -f "$stamp_file"
 fi
 
-# The agent's build backend is in this tree and needs only the standard library
-# (buildsys/agent_build.py): nothing to install into a throwaway build environment first.
-build_flags=(--no-build-isolation)
-
 if [ "$recorded" = 1 ]; then
   step "installing libreyolo-agent with extras [$agent_extras]${lib_extras:+ and libreyolo[$lib_extras]}"
   echo "already installed, nothing to change (as recorded in $stamp_file)"
@@ -290,7 +286,7 @@ else
     compgen -G "$site/libreyolo_agent-*.dist-info" >/dev/null || return 1
     report="$(mktemp)"
     if "${pip[@]}" install --quiet --dry-run --report "$report" \
-        ${build_flags[@]+"${build_flags[@]}"} "${targets[@]}" \
+        "${targets[@]}" \
         && torchpick uptodate "$report" --project "$here" --site "$site"; then
       status=0
     fi
@@ -303,7 +299,7 @@ else
     echo "already installed, nothing to change"
   else
     # No PIP_ARGS here: a CUDA wheel index holds torch, not libreyolo or the agent's dependencies.
-    run "${pip[@]}" "${install[@]}" ${build_flags[@]+"${build_flags[@]}"} "${targets[@]}"
+    run "${pip[@]}" "${install[@]}" "${targets[@]}"
     installed=1
   fi
   if [ "$installed" = 1 ]; then

@@ -40,20 +40,24 @@ class Preparation:
         import and CUDA's start-up, is the longest step before the first epoch, and it needs
         none of those. Preflight reads its report; :meth:`drop_early_warm` calls it off when the job
         ends before preflight."""
+        self.warm = self._new_warm()
+        if self.warm is not None:
+            self.warm.start()
+
+    def _new_warm(self) -> WarmStart | None:
+        """The warm start of this job's first trainer, not started (None: it starts cold)."""
         ctx = self.ctx
         launcher = ctx.launcher
         if not (ctx.job.preflight.warm_start and isinstance(launcher, ProcessLauncher)):
-            return
+            return None
         from agent.trainer.warmstart import for_job
 
-        self.warm = for_job(
+        return for_job(
             ctx.job,
             launcher,
             log_path=ctx.store.path("trainer.log"),
             result_path=ctx.store.path("trainer-result.json"),
         )
-        if self.warm is not None:
-            self.warm.start()
 
     async def drop_early_warm(self) -> None:
         """Call off a warm trainer started early that preflight did not take."""
@@ -77,16 +81,9 @@ class Preparation:
                 may_stage.set()
 
         launcher = ctx.launcher
-        warm, self.warm = self.warm, None  # started early (start_warm), else now
-        if warm is None and ctx.job.preflight.warm_start and isinstance(launcher, ProcessLauncher):
-            from agent.trainer.warmstart import for_job
-
-            warm = for_job(
-                ctx.job,
-                launcher,
-                log_path=ctx.store.path("trainer.log"),
-                result_path=ctx.store.path("trainer-result.json"),
-            )
+        warm, self.warm = self.warm, None  # started early (start_warm), else started now
+        if warm is None:
+            warm = self._new_warm()
         cause: str | None = "preflight did not finish"
         try:
             report, cause = await preflight.run_and_log(
