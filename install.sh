@@ -237,6 +237,20 @@ if [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
   fi
 fi
 
+# own_pip: after a failed pip run, when the pip that failed was the image's (borrowed above) and
+# it cannot even start in this venv (a damaged or patched pip), give the venv its own from
+# ensurepip (offline: its bundled wheel) so pip can run again. False otherwise: the failure was
+# pip's answer to the install, and stands.
+own_pip() {
+  [ "$dry_run" = 0 ] && [ -n "$image_pip" ] && [ ! -r "$(venv_site)/pip/__init__.py" ] || return 1
+  if "$venv/bin/python" -c 'from pip._internal.cli.main import main' >/dev/null 2>&1; then
+    return 1
+  fi
+  step "the image's pip (in $image_pip) does not start in this venv: installing the venv's own pip"
+  rm -f "$venv/bin/pip" "$venv/bin/pip3"
+  "$venv/bin/python" -m ensurepip --default-pip
+}
+
 t_pip="$(now)"
 targets=(-e "${here}[$agent_extras]")
 [ -z "$lib_extras" ] || targets+=("libreyolo[$lib_extras]")
@@ -299,7 +313,10 @@ else
     echo "already installed, nothing to change"
   else
     # No PIP_ARGS here: a CUDA wheel index holds torch, not libreyolo or the agent's dependencies.
-    run "${pip[@]}" "${install[@]}" "${targets[@]}"
+    if ! run "${pip[@]}" "${install[@]}" "${targets[@]}"; then
+      own_pip || die "pip could not install libreyolo-agent into $venv (its output is above)"
+      run "${pip[@]}" "${install[@]}" "${targets[@]}"
+    fi
     installed=1
   fi
   if [ "$installed" = 1 ]; then

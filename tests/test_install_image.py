@@ -309,6 +309,72 @@ def test_an_image_with_pip_lends_it_to_the_venv(tmp_path: Path) -> None:
     assert "(as recorded in " in second and "creating the virtual environment" not in second
 
 
+@pytest.mark.timeout(2400)
+def test_a_broken_image_pip_gives_the_venv_its_own(tmp_path: Path) -> None:
+    """The image's site-packages hold a pip that reads as new enough but cannot run (a damaged
+    or patched one: here its package is there and nothing else): the install does not end on
+    its failure; the venv gets its own pip from ensurepip and pip runs again."""
+    image_python = image_venv(tmp_path / "image")
+    image_site = site_of(image_python)
+    (image_site / "pip").mkdir()
+    (image_site / "pip" / "__init__.py").write_text('__version__ = "24.0"\n', encoding="utf-8")
+    found = wheel_folder(tmp_path / "wheels")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    venv = tmp_path / "venv"
+    env = offline_env(bin_dir, image_python, venv, found)
+    runs = []
+    for _ in range(2):
+        runs.append(
+            subprocess.run(
+                ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+            )
+        )
+        assert runs[-1].returncode == 0, out(runs[-1])[-4000:]
+    first = out(runs[0])
+    assert f"(no pip of its own: the image's, in {image_site}, installs into it)" in first
+    assert f"the image's pip (in {image_site}) does not start in this venv" in first
+    venv_site = site_of(venv / "bin" / "python")
+    assert (venv_site / "pip" / "__init__.py").is_file()
+    assert list(venv_site.glob("libreyolo_agent-*.dist-info")), sorted(venv_site.iterdir())
+    shown = subprocess.run(
+        [str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, env=env
+    )
+    assert shown.returncode == 0 and str(venv_site / "pip") in shown.stdout, shown
+    second = out(runs[1])
+    assert "(as recorded in " in second and "does not start" not in second
+
+
+def test_a_pip_that_refuses_the_install_is_not_replaced(tmp_path: Path) -> None:
+    """A pip that runs and fails (here: a dependency no wheel folder holds) is pip's answer:
+    install.sh stops with it and does not install another pip to try again."""
+    image_python = image_venv(tmp_path / "image")
+    subprocess.run(
+        [str(image_python), "-m", "ensurepip", "--default-pip"], check=True, capture_output=True
+    )
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    venv = tmp_path / "venv"
+    env = offline_env(bin_dir, image_python, venv, empty)
+    run = subprocess.run(
+        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert run.returncode == 1, out(run)[-4000:]
+    assert "install.sh: pip could not install libreyolo-agent into" in run.stderr
+    assert "does not start in this venv" not in out(run)
+    assert not (site_of(venv / "bin" / "python") / "pip").exists()
+
+
 def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> None:
     """The venv exists, made to see the image, but a torch was pip-installed into it since: it
     would import that one, not the kept one. install.sh says so and stops before pip (exit 1)."""
