@@ -74,6 +74,32 @@ def offline_env(bin_dir: Path, image_python: Path, venv: Path, wheels_dir: Path)
     return env
 
 
+def h200_bin(bin_dir: Path) -> Path:
+    """A folder holding an nvidia-smi that answers as driver 580 on an H200."""
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
+    )
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return bin_dir
+
+
+def install(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """install.sh run once, as the box runs it."""
+    return subprocess.run(
+        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
+    )
+
+
+def install_twice(env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    """install.sh run twice (the second boot), each run passing."""
+    runs = []
+    for _ in range(2):
+        runs.append(install(env))
+        assert runs[-1].returncode == 0, out(runs[-1])[-4000:]
+    return runs
+
+
 def snapshot(venv: Path) -> dict[str, tuple[int, int]]:
     found = {}
     for path in venv.rglob("*"):
@@ -261,6 +287,29 @@ def test_a_changed_pyproject_runs_pip_again(box: dict[str, object]) -> None:
     assert (Path(str(box["venv"])) / ".libreyolo-agent-install").is_file()
 
 
+def install_borrowing_pip(tmp_path: Path, image_python: Path) -> tuple[Path, str, str]:
+    """install.sh run twice on an image whose site-packages hold a pip new enough to borrow:
+    the venv's site-packages and the two runs' output (the second a recorded no-op)."""
+    env = offline_env(
+        h200_bin(tmp_path / "bin"), image_python, tmp_path / "venv", wheel_folder(tmp_path / "w")
+    )
+    first, second = (out(run) for run in install_twice(env))
+    image_site = site_of(image_python)
+    assert f"(no pip of its own: the image's, in {image_site}, installs into it)" in first
+    venv_site = site_of(tmp_path / "venv" / "bin" / "python")
+    assert list(venv_site.glob("libreyolo_agent-*.dist-info")), sorted(venv_site.iterdir())
+    assert "(as recorded in " in second
+    return venv_site, first, second
+
+
+def pip_version(venv_site: Path) -> str:
+    """What the venv's bin/pip says of itself (it names the folder it runs from)."""
+    pip = venv_site.parents[2] / "bin" / "pip"
+    shown = subprocess.run([str(pip), "--version"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown
+    return shown.stdout
+
+
 @pytest.mark.timeout(2400)
 def test_an_image_with_pip_lends_it_to_the_venv(tmp_path: Path) -> None:
     """The image's site-packages hold a pip (many GPU images do): the venv is made without one
@@ -274,39 +323,15 @@ def test_an_image_with_pip_lends_it_to_the_venv(tmp_path: Path) -> None:
     )
     image_site = site_of(image_python)
     assert (image_site / "pip" / "__init__.py").is_file()
-    found = wheel_folder(tmp_path / "wheels")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(
-        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
-    )
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    venv = tmp_path / "venv"
-    env = offline_env(bin_dir, image_python, venv, found)
-    runs = []
-    for _ in range(2):
-        runs.append(
-            subprocess.run(
-                ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
-            )
-        )
-        assert runs[-1].returncode == 0, out(runs[-1])[-4000:]
-    first = out(runs[0])
-    assert f"(no pip of its own: the image's, in {image_site}, installs into it)" in first
+    venv_site, first, second = install_borrowing_pip(tmp_path, image_python)
     assert "installing pip into the venv" not in first
-    venv_site = site_of(venv / "bin" / "python")
     assert not (venv_site / "pip").exists()
-    assert list(venv_site.glob("libreyolo_agent-*.dist-info")), sorted(venv_site.iterdir())
     # bin/pip runs the image's pip, installing into this venv.
-    shown = subprocess.run(
-        [str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, env=env
-    )
-    assert shown.returncode == 0 and str(image_site / "pip") in shown.stdout, shown
+    assert str(image_site / "pip") in pip_version(venv_site)
     # pip installed without compiling; install.sh compiled what it installed on every core.
     assert "compiling what pip installed" in first
     assert list((venv_site / "psutil" / "__pycache__").glob("*.pyc")), "not compiled"
-    second = out(runs[1])
-    assert "(as recorded in " in second and "creating the virtual environment" not in second
+    assert "creating the virtual environment" not in second
 
 
 @pytest.mark.timeout(2400)
@@ -318,35 +343,11 @@ def test_a_broken_image_pip_gives_the_venv_its_own(tmp_path: Path) -> None:
     image_site = site_of(image_python)
     (image_site / "pip").mkdir()
     (image_site / "pip" / "__init__.py").write_text('__version__ = "24.0"\n', encoding="utf-8")
-    found = wheel_folder(tmp_path / "wheels")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(
-        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
-    )
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    venv = tmp_path / "venv"
-    env = offline_env(bin_dir, image_python, venv, found)
-    runs = []
-    for _ in range(2):
-        runs.append(
-            subprocess.run(
-                ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
-            )
-        )
-        assert runs[-1].returncode == 0, out(runs[-1])[-4000:]
-    first = out(runs[0])
-    assert f"(no pip of its own: the image's, in {image_site}, installs into it)" in first
+    venv_site, first, second = install_borrowing_pip(tmp_path, image_python)
     assert f"the image's pip (in {image_site}) does not start in this venv" in first
-    venv_site = site_of(venv / "bin" / "python")
     assert (venv_site / "pip" / "__init__.py").is_file()
-    assert list(venv_site.glob("libreyolo_agent-*.dist-info")), sorted(venv_site.iterdir())
-    shown = subprocess.run(
-        [str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, env=env
-    )
-    assert shown.returncode == 0 and str(venv_site / "pip") in shown.stdout, shown
-    second = out(runs[1])
-    assert "(as recorded in " in second and "does not start" not in second
+    assert str(venv_site / "pip") in pip_version(venv_site)
+    assert "does not start" not in second
 
 
 def test_a_pip_that_refuses_the_install_is_not_replaced(tmp_path: Path) -> None:
@@ -358,17 +359,10 @@ def test_a_pip_that_refuses_the_install_is_not_replaced(tmp_path: Path) -> None:
     )
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(
-        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
-    )
-    (bin_dir / "nvidia-smi").chmod(0o755)
+    bin_dir = h200_bin(tmp_path / "bin")
     venv = tmp_path / "venv"
     env = offline_env(bin_dir, image_python, venv, empty)
-    run = subprocess.run(
-        ["/bin/bash", str(INSTALL)], capture_output=True, text=True, env=env, timeout=1200
-    )
+    run = install(env)
     assert run.returncode == 1, out(run)[-4000:]
     assert "install.sh: pip could not install libreyolo-agent into" in run.stderr
     assert "does not start in this venv" not in out(run)
@@ -385,12 +379,7 @@ def test_a_venv_that_imports_another_torch_stops_the_install(tmp_path: Path) -> 
     venv_site = site_of(venv / "bin" / "python")
     (venv_site / "_libreyolo_image_torch.pth").write_text(f"{image_site}\n", encoding="utf-8")
     write_torch(venv_site, version="2.14.1", cuda="12.8")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(
-        '#!/bin/sh\necho "580.82.07, NVIDIA H200, 9.0"\n', encoding="utf-8"
-    )
-    (bin_dir / "nvidia-smi").chmod(0o755)
+    bin_dir = h200_bin(tmp_path / "bin")
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "PYTHON": str(image_python),
