@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -681,3 +682,38 @@ def test_stopping_the_server_ends_every_event_stream() -> None:
             writer.close()
 
     asyncio.run(main())
+
+
+def test_a_connection_accepted_as_the_server_stops_is_closed_not_leaked() -> None:
+    """asyncio accepts in one loop turn and sets the connection up in the next; closing the
+    server in between made the set-up fail (``Server._attach`` asserts the server is open:
+    "Error on transport creation for incoming connection") and left the accepted socket open
+    until the garbage collector found it (an unclosed-transport warning in a later test).
+    The loop is driven into that order: the stop starts in the turn that accepts."""
+
+    async def main() -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        server = StatusServer("127.0.0.1", 0, token=TOKEN, status=dict, actions={})
+        port = await server.start()
+        client = socket.create_connection(("127.0.0.1", port))  # in the backlog at once
+        stopping: list[asyncio.Task[None]] = []
+        # Next turn: this callback runs first, then the accept the select just saw, so the
+        # stop is queued after the accept and before the accepted connection's set-up.
+        loop.call_soon(lambda: stopping.append(loop.create_task(server.stop())))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert stopping
+        await asyncio.wait_for(stopping[0], 10)
+        client.settimeout(5)
+        try:
+            assert client.recv(1) == b""  # closed by the server, not left open
+        except ConnectionResetError:
+            pass
+        finally:
+            client.close()
+        return errors
+
+    errors = asyncio.run(main())
+    assert errors == [], [c.get("message") for c in errors]

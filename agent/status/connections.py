@@ -47,6 +47,8 @@ class Connection(asyncio.Protocol):
         self.busy = False
         #: The deadline is the first one (since connect), not the one after a response.
         self.awaiting_first = True
+        #: aiohttp's handler was given the connection (connection_made passed on).
+        self.handed_over = False
         #: Called once when the connection goes (closed by either side): a live event stream
         #: learns at once that nobody listens any more.
         self.on_lost: Callable[[], None] | None = None
@@ -54,8 +56,11 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self._guard.connected(self)
-        self._inner.connection_made(transport)
+        # One closed before it was set up (pushed out, timed out, the server stopping) never
+        # reaches aiohttp: its handler would start after the connection is lost.
+        self.handed_over = self._guard.connected(self)
+        if self.handed_over:
+            self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         self._inner.data_received(data)
@@ -65,7 +70,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._guard.disconnected(self)
-        self._inner.connection_lost(exc)
+        if self.handed_over:
+            self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()
@@ -148,12 +154,14 @@ class ConnectionGuard:
         self._arm(conn, self._header_timeout_s)
         return conn
 
-    def connected(self, conn: Connection) -> None:
+    def connected(self, conn: Connection) -> bool:
+        """A connection is set up: False if it was closed before (it is aborted now)."""
         assert conn.transport is not None
         if conn not in self._open:  # pushed out, timed out or stopped before it was set up
             conn.transport.abort()
-            return
+            return False
         self._by_transport[conn.transport] = conn
+        return True
 
     def disconnected(self, conn: Connection) -> None:
         self._forget(conn)
@@ -199,6 +207,12 @@ class ConnectionGuard:
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+    def close_idle(self) -> None:
+        """Close every connection with no request in progress (the server stops): one between
+        requests, and one accepted and not set up yet."""
+        for conn in list(self._idle):
+            self._close(conn)
 
     def close_all(self) -> None:
         for conn in list(self._open):

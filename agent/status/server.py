@@ -225,11 +225,18 @@ class StatusServer:
         return self.bound_port
 
     async def stop(self) -> None:
-        # 1. Stop accepting and end the event streams. 2. Let aiohttp finish and close its
+        # 1. Stop accepting, end the event streams and close the connections with no request
+        # in progress. 2. Let aiohttp finish the requests in progress and close their
         # connections. 3. Close what is left (connections that never made it to aiohttp's books).
         if self._server is not None:
+            await self._stop_accepting(self._server)
             self._server.close()
         self._views.close()
+        if self._guard is not None:
+            # aiohttp wakes an idle handler to close it only once the handler waits for a
+            # request: one accepted a moment before whose task had not started yet would wait
+            # for aiohttp's shutdown timeout (60 s) before the agent could exit.
+            self._guard.close_idle()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -240,6 +247,20 @@ class StatusServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
             self._server = None
+
+    @staticmethod
+    async def _stop_accepting(server: asyncio.Server) -> None:
+        """Take the listening sockets off the loop, then give the connections already accepted
+        one turn to be set up. asyncio accepts in one turn and sets a connection up in the next;
+        a server closed in between refuses the set-up (an assertion in ``Server._attach``,
+        logged as "Error on transport creation for incoming connection") and the accepted
+        socket stays open, nobody's, until the garbage collector finds it."""
+        loop = asyncio.get_running_loop()
+        for sock in server.sockets:
+            with contextlib.suppress(NotImplementedError, ValueError):  # not a selector loop
+                loop.remove_reader(sock.fileno())
+        # The accepts that ran before this step queued their set-up ahead of it: one turn runs them.
+        await asyncio.sleep(0)
 
     def connection_stats(self) -> dict[str, int]:
         """Open connections, and totals of those pushed out, refused and timed out."""
