@@ -684,12 +684,15 @@ def test_stopping_the_server_ends_every_event_stream() -> None:
     asyncio.run(main())
 
 
-def test_a_connection_accepted_as_the_server_stops_is_closed_not_leaked() -> None:
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+def test_a_connection_accepted_as_the_server_stops_is_closed_not_leaked(turns: int) -> None:
     """asyncio accepts in one loop turn and sets the connection up in the next; closing the
     server in between made the set-up fail (``Server._attach`` asserts the server is open:
     "Error on transport creation for incoming connection") and left the accepted socket open
     until the garbage collector found it (an unclosed-transport warning in a later test).
-    The loop is driven into that order: the stop starts in the turn that accepts."""
+    The loop is driven into that order: the stop starts in the turn that accepts, or
+    ``turns`` later (the connection half set up: aiohttp's handler made, its task not started,
+    which aiohttp's shutdown then waited on for its 60 s timeout)."""
 
     async def main() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -698,14 +701,18 @@ def test_a_connection_accepted_as_the_server_stops_is_closed_not_leaked() -> Non
         server = StatusServer("127.0.0.1", 0, token=TOKEN, status=dict, actions={})
         port = await server.start()
         client = socket.create_connection(("127.0.0.1", port))  # in the backlog at once
-        stopping: list[asyncio.Task[None]] = []
+        stopping: asyncio.Future[asyncio.Task[None]] = loop.create_future()
+
         # Next turn: this callback runs first, then the accept the select just saw, so the
         # stop is queued after the accept and before the accepted connection's set-up.
-        loop.call_soon(lambda: stopping.append(loop.create_task(server.stop())))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert stopping
-        await asyncio.wait_for(stopping[0], 10)
+        def later(left: int) -> None:
+            if left:
+                loop.call_soon(later, left - 1)
+            else:
+                stopping.set_result(loop.create_task(server.stop()))
+
+        loop.call_soon(later, turns)
+        await asyncio.wait_for(await stopping, 10)
         client.settimeout(5)
         try:
             assert client.recv(1) == b""  # closed by the server, not left open
