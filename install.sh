@@ -217,6 +217,13 @@ elif [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
     rm -f "$pth"
   fi
 fi
+# own_pip_now WHY: the venv's own pip, from ensurepip (offline: its bundled wheel), in place of
+# bin/pip and bin/pip3 written below to run the image's.
+own_pip_now() {
+  step "$1"
+  rm -f "$venv/bin/pip" "$venv/bin/pip3"
+  "$venv/bin/python" -m ensurepip --default-pip
+}
 # The venv runs pip: its own, or the image's through the .pth (then bin/pip runs that one too, as
 # pip's own command would); a venv made without one whose .pth is gone gets its own now.
 if [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
@@ -232,23 +239,19 @@ if [ "$dry_run" = 0 ] && [ -x "$venv/bin/python" ]; then
       fi
     done
   else
-    step "installing pip into the venv (it has none of its own, and sees none)"
-    "$venv/bin/python" -m ensurepip --default-pip
+    own_pip_now "installing pip into the venv (it has none of its own, and sees none)"
   fi
 fi
 
 # own_pip: after a failed pip run, when the pip that failed was the image's (borrowed above) and
-# it cannot even start in this venv (a damaged or patched pip), give the venv its own from
-# ensurepip (offline: its bundled wheel) so pip can run again. False otherwise: the failure was
-# pip's answer to the install, and stands.
+# it cannot even start in this venv (a damaged or patched pip), give the venv its own so pip can
+# run again. False otherwise: the failure was pip's answer to the install, and stands.
 own_pip() {
   [ "$dry_run" = 0 ] && [ -n "$image_pip" ] && [ ! -r "$(venv_site)/pip/__init__.py" ] || return 1
   if "$venv/bin/python" -c 'from pip._internal.cli.main import main' >/dev/null 2>&1; then
     return 1
   fi
-  step "the image's pip (in $image_pip) does not start in this venv: installing the venv's own pip"
-  rm -f "$venv/bin/pip" "$venv/bin/pip3"
-  "$venv/bin/python" -m ensurepip --default-pip
+  own_pip_now "the image's pip (in $image_pip) does not start in this venv: installing the venv's own pip"
 }
 
 t_pip="$(now)"
