@@ -782,24 +782,31 @@ class FakeDisk:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, full: Callable[[], bool]) -> None:
         self.on = False
-        self.reads = 0
+        #: The completed epochs of the status each read followed (None: read before the run
+        #: was known here): the daemon checks the disk once per status change it sees, and two
+        #: epochs done between two of its reads are one change.
+        self.checked: list[int | None] = []
+        self.run: Run | None = None
         self._full = full
         real = diskwatch.check_disk
         monkeypatch.setattr(diskwatch, "check_disk", functools.partial(real, free_bytes=self.free))
 
     def free(self, _path: Path) -> int:
-        self.reads += 1
+        status = self.run.daemon.ctx.status if self.run is not None else None
+        self.checked.append(None if status is None else status.completed_epochs)
         return LOW if self.on and self._full() else PLENTY
 
     async def fill_after_epoch_2(self, run: Run) -> None:
         """Full from epoch 3 on, once epoch_2.pt (save_period = 2) is verified off the box."""
+        self.run = run
         await run.paused()  # epochs 1 and 2 done, epoch 3 waits
         sync = run.daemon.sync
         assert sync is not None
         await wait_for(lambda: sync.is_verified(run.run_dir / "weights" / "epoch_2.pt"), WAIT_S)
-        # The checks after epochs 1 and 2 are over: the next one is after epoch 3.
-        await wait_for(lambda: self.reads >= 2, WAIT_S)
-        assert self.reads == 2
+        # The check after epoch 2 is over (seen under load: epochs 1 and 2 as one change, one
+        # check): the next one is after epoch 3.
+        await wait_for(lambda: 2 in self.checked, WAIT_S)
+        assert max(epoch or 0 for epoch in self.checked) == 2
         self.on = True
         run.resume_trainer()
 
